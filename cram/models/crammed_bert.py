@@ -1,0 +1,317 @@
+"""Crammed BERT (Geiping & Goldstein, 2022) as plain Hugging Face classes.
+
+The architecture is the paper's final "crammed-bert": pre-LN, GELU-GLU feed-forward, no Linear biases,
+scaled sinusoidal positions, tied embeddings, a final LayerNorm, no MLM transform layer, and sparse
+prediction (the decoder and the loss run only on the masked positions).
+
+Importing this module registers the classes with `AutoConfig`, `AutoModel`, `AutoModelForMaskedLM` and
+`AutoModelForSequenceClassification`; `save_pretrained` also records them in `config.json` (`auto_map`) so a
+checkpoint loads with `trust_remote_code=True` even where `cram` is not installed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForMaskedLM,
+    AutoModelForSequenceClassification,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+from transformers import initialization as init
+from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput, SequenceClassifierOutput
+
+IGNORE_INDEX = -100
+
+# Model sizes by name. `crammed-bert` is the paper's model; the others exist for smoke runs and the demo.
+PRESETS: dict[str, dict] = {
+    "crammed-bert": dict(
+        vocab_size=32768, hidden_size=768, num_hidden_layers=16, num_attention_heads=12, intermediate_size=3072
+    ),
+    "small": dict(vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024),
+    "tiny": dict(vocab_size=4096, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
+}
+
+
+class CrammedBertConfig(PretrainedConfig):
+    """Configuration of a crammed-BERT model; the defaults are the paper's 16 × 768 model.
+
+    `intermediate_size` is the width of the first feed-forward Linear; the GLU halves it, so the second Linear
+    maps `intermediate_size // 2` back to `hidden_size`. `sparse_prediction` is the fraction of positions the
+    MLM collator masks; under `torch.compile` the model predicts exactly that many per batch (static shapes).
+    `hidden_dropout_prob` and `attention_probs_dropout_prob` are 0 while pretraining and 0.1 for fine-tuning.
+    """
+
+    model_type = "crammed_bert"
+
+    def __init__(
+        self,
+        vocab_size: int = 32768,
+        hidden_size: int = 768,
+        num_hidden_layers: int = 16,
+        num_attention_heads: int = 12,
+        intermediate_size: int = 3072,
+        max_position_embeddings: int = 128,
+        layer_norm_eps: float = 1e-12,
+        initializer_range: float = 0.02,
+        hidden_dropout_prob: float = 0.1,
+        attention_probs_dropout_prob: float = 0.1,
+        classifier_hidden_size: int = 1024,
+        sparse_prediction: float = 0.25,
+        pad_token_id: int = 0,
+        tie_word_embeddings: bool = True,
+        **kwargs,
+    ):
+        if hidden_size % num_attention_heads:
+            raise ValueError(f"hidden_size {hidden_size} is not a multiple of the {num_attention_heads} heads.")
+        if intermediate_size % 2:
+            raise ValueError(f"intermediate_size {intermediate_size} must be even: the GLU splits it in halves.")
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.intermediate_size = intermediate_size
+        self.max_position_embeddings = max_position_embeddings
+        self.layer_norm_eps = layer_norm_eps
+        self.initializer_range = initializer_range
+        self.hidden_dropout_prob = hidden_dropout_prob
+        self.attention_probs_dropout_prob = attention_probs_dropout_prob
+        self.classifier_hidden_size = classifier_hidden_size
+        self.sparse_prediction = sparse_prediction
+        super().__init__(pad_token_id=pad_token_id, tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> CrammedBertConfig:
+        """The config of a named size (`crammed-bert`, `small`, `tiny`), with any field overridden."""
+        if name not in PRESETS:
+            raise KeyError(name)
+        return cls(**{**PRESETS[name], **overrides})
+
+
+def sinusoidal_table(length: int, width: int) -> torch.Tensor:
+    """The fixed sine/cosine position table of "Attention Is All You Need", shape (length, width)."""
+    position = torch.arange(length, dtype=torch.float32).unsqueeze(1)
+    frequency = torch.exp(torch.arange(0, width, 2, dtype=torch.float32) * (-math.log(10000.0) / width))
+    table = torch.zeros(length, width)
+    table[:, 0::2] = torch.sin(position * frequency)
+    table[:, 1::2] = torch.cos(position * frequency)
+    return table
+
+
+class ScaledSinusoidalPositions(nn.Module):
+    """A fixed sinusoidal table times one learned scalar, initialised to 1/sqrt(hidden)."""
+
+    def __init__(self, config: CrammedBertConfig):
+        super().__init__()
+        self.register_buffer(
+            "table", sinusoidal_table(config.max_position_embeddings, config.hidden_size), persistent=False
+        )
+        self.scale = nn.Parameter(torch.tensor(config.hidden_size**-0.5))
+
+    def forward(self, seq_len: int) -> torch.Tensor:
+        return self.table[:seq_len] * self.scale
+
+
+class CrammedBertEmbeddings(nn.Module):
+    def __init__(self, config: CrammedBertConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.positions = ScaledSinusoidalPositions(config)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.word_embeddings(input_ids) + self.positions(input_ids.shape[1])
+        return self.dropout(self.LayerNorm(hidden))
+
+
+class CrammedBertAttention(nn.Module):
+    """Self-attention with one fused QKV projection and no biases, through `scaled_dot_product_attention`."""
+
+    def __init__(self, config: CrammedBertConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=False)
+        self.out = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.dropout_p = config.attention_probs_dropout_prob
+
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        batch, seq_len, width = hidden.shape
+        qkv = self.qkv(hidden).view(batch, seq_len, 3, self.num_heads, width // self.num_heads)
+        query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        context = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=self.dropout_p if self.training else 0.0
+        )
+        return self.out(context.transpose(1, 2).reshape(batch, seq_len, width))
+
+
+class CrammedBertFeedForward(nn.Module):
+    """GELU-GLU: one Linear to `intermediate_size`, split in halves, gelu(gate) · value, one Linear back."""
+
+    def __init__(self, config: CrammedBertConfig):
+        super().__init__()
+        self.up = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down = nn.Linear(config.intermediate_size // 2, config.hidden_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        value, gate = self.up(hidden).chunk(2, dim=-1)
+        return self.down(F.gelu(gate) * value)
+
+
+class CrammedBertLayer(nn.Module):
+    """A pre-LN transformer block."""
+
+    def __init__(self, config: CrammedBertConfig):
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.attention = CrammedBertAttention(config)
+        self.ffn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.ffn = CrammedBertFeedForward(config)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        hidden = hidden + self.dropout(self.attention(self.attention_norm(hidden), attention_mask))
+        return hidden + self.dropout(self.ffn(self.ffn_norm(hidden)))
+
+
+class CrammedBertPreTrainedModel(PreTrainedModel):
+    config_class = CrammedBertConfig
+    base_model_prefix = "bert"
+    _no_split_modules = ["CrammedBertLayer"]
+    supports_gradient_checkpointing = False
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)  # normal(0, initializer_range) for Linear/Embedding, ones/zeros for LayerNorm
+        if isinstance(module, ScaledSinusoidalPositions):
+            init.copy_(module.table, sinusoidal_table(*module.table.shape))
+            init.constant_(module.scale, self.config.hidden_size**-0.5)
+
+
+class CrammedBertModel(CrammedBertPreTrainedModel):
+    """Embeddings, the pre-LN layers and the final LayerNorm; returns the normalised hidden states."""
+
+    def __init__(self, config: CrammedBertConfig):
+        super().__init__(config)
+        self.embeddings = CrammedBertEmbeddings(config)
+        self.layers = nn.ModuleList(CrammedBertLayer(config) for _ in range(config.num_hidden_layers))
+        self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embeddings.word_embeddings = value
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs
+    ) -> BaseModelOutput:
+        # Pretraining blocks are fully packed, so no mask is passed there and SDPA takes its fastest path.
+        sdpa_mask = attention_mask.bool()[:, None, None, :] if attention_mask is not None else None
+        hidden = self.embeddings(input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, sdpa_mask)
+        return BaseModelOutput(last_hidden_state=self.final_norm(hidden))
+
+
+class CrammedBertForMaskedLM(CrammedBertPreTrainedModel):
+    """Masked-LM head: the tied decoder straight from the final norm, no transform layer, no bias.
+
+    With `labels`, the decoder and the loss run only on the positions whose label is not -100, and `logits`
+    holds just those rows, shape (masked positions, vocab). Without labels, `logits` covers every position.
+    """
+
+    _tied_weights_keys = {"decoder.weight": "bert.embeddings.word_embeddings.weight"}
+
+    def __init__(self, config: CrammedBertConfig):
+        super().__init__(config)
+        self.bert = CrammedBertModel(config)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.decoder
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.decoder = value
+
+    def masked_positions(self, labels: torch.Tensor) -> torch.Tensor:
+        """Flat indices of the positions to predict."""
+        is_masked = labels.reshape(-1) != IGNORE_INDEX
+        if torch.compiler.is_compiling():
+            # A static count keeps shapes fixed for the compiler: the collator masks exactly this many.
+            count = round(self.config.sparse_prediction * is_masked.numel())
+            return torch.argsort(is_masked.int(), descending=True, stable=True)[:count]
+        return is_masked.nonzero().squeeze(1)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        **kwargs,
+    ) -> MaskedLMOutput:
+        hidden = self.bert(input_ids, attention_mask=attention_mask).last_hidden_state
+        if labels is None:
+            return MaskedLMOutput(logits=self.decoder(hidden))
+        positions = self.masked_positions(labels)
+        logits = self.decoder(hidden.reshape(-1, hidden.shape[-1])[positions])
+        loss = F.cross_entropy(logits.float(), labels.reshape(-1)[positions], ignore_index=IGNORE_INDEX)
+        return MaskedLMOutput(loss=loss, logits=logits)
+
+
+class CrammedBertForSequenceClassification(CrammedBertPreTrainedModel):
+    """First-token pooling → Linear(hidden, 1024) → tanh → dropout → Linear(1024, labels)."""
+
+    def __init__(self, config: CrammedBertConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.bert = CrammedBertModel(config)
+        self.pooler = nn.Linear(config.hidden_size, config.classifier_hidden_size, bias=True)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.classifier = nn.Linear(config.classifier_hidden_size, config.num_labels, bias=True)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        **kwargs,
+    ) -> SequenceClassifierOutput:
+        hidden = self.bert(input_ids, attention_mask=attention_mask).last_hidden_state
+        pooled = self.dropout(torch.tanh(self.pooler(hidden[:, 0])))
+        logits = self.classifier(pooled)
+        loss = None
+        if labels is not None:
+            if self.num_labels == 1:
+                loss = F.mse_loss(logits.squeeze(-1).float(), labels.float())
+            else:
+                loss = F.cross_entropy(logits.float(), labels)
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+def register_auto_classes() -> None:
+    """Make the `transformers` Auto classes know `crammed_bert` (idempotent)."""
+    AutoConfig.register(CrammedBertConfig.model_type, CrammedBertConfig, exist_ok=True)
+    AutoModel.register(CrammedBertConfig, CrammedBertModel, exist_ok=True)
+    AutoModelForMaskedLM.register(CrammedBertConfig, CrammedBertForMaskedLM, exist_ok=True)
+    AutoModelForSequenceClassification.register(
+        CrammedBertConfig, CrammedBertForSequenceClassification, exist_ok=True
+    )
+
+
+register_auto_classes()
+
+# Recorded in config.json's `auto_map` by `save_pretrained` (the module file is copied beside the weights).
+CrammedBertConfig.register_for_auto_class()
+CrammedBertModel.register_for_auto_class("AutoModel")
+CrammedBertForMaskedLM.register_for_auto_class("AutoModelForMaskedLM")
+CrammedBertForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")

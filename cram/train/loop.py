@@ -1,0 +1,169 @@
+"""The shared training loop: gradient accumulation that can change per step, clipping, a schedule, logging.
+
+The loop is driven by a clock (`progress` in [0, 1] and `done`): a wall-clock budget for cramming, a step
+count for fixed-length recipes. The learning rate and the accumulation are functions of that progress.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+
+
+class Clock(Protocol):
+    def start(self) -> None: ...
+
+    @property
+    def progress(self) -> float: ...
+
+    @property
+    def done(self) -> bool: ...
+
+    @property
+    def elapsed(self) -> float: ...
+
+    @property
+    def remaining(self) -> float: ...
+
+
+@dataclass
+class TrainResult:
+    optimizer_steps: int = 0
+    sequences: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    epochs: int = 0
+    history: list[dict] = field(default_factory=list)  # one row per logged step
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def first_loss(self) -> float:
+        return self.history[0]["loss"] if self.history else float("nan")
+
+    @property
+    def final_loss(self) -> float:
+        return self.history[-1]["loss"] if self.history else float("nan")
+
+
+class EpochCycler:
+    """Iterates over a data loader forever, counting completed passes."""
+
+    def __init__(self, loader: Iterable):
+        self.loader = loader
+        self.epochs = 0
+
+    def __iter__(self) -> Iterator:
+        while True:
+            empty = True
+            for batch in self.loader:
+                empty = False
+                yield batch
+            if empty:
+                raise ValueError("the data loader yields no batches")
+            self.epochs += 1
+
+
+def _format_seconds(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def train(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader: Iterable[dict],
+    accelerator: Accelerator,
+    clock: Clock,
+    *,
+    peak_lr: float,
+    lr_shape: Callable[[float], float],
+    accumulation_at: Callable[[float], int],
+    max_grad_norm: float | None,
+    log_every: int = 10,
+    show_progress: bool = True,
+) -> TrainResult:
+    """Train until `clock.done`; an accumulation cut short by the clock is dropped, not stepped."""
+    result = TrainResult()
+    batches = EpochCycler(loader)
+    batch_iter = iter(batches)
+    bar = None
+    if show_progress and accelerator.is_main_process:
+        bar = tqdm(total=100, unit="%", bar_format="{l_bar}{bar}| {postfix}", dynamic_ncols=True)
+    model.train()
+    clock.start()
+    while not clock.done:
+        progress = clock.progress
+        lr = peak_lr * lr_shape(progress)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        accumulated = _accumulate_gradients(model, batch_iter, accelerator, clock, accumulation_at(progress))
+        if accumulated is None:
+            break  # the clock ran out inside an accumulation: drop it rather than step on part of a batch
+        loss, batch_shape = accumulated
+        if max_grad_norm:
+            accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sequences = batch_shape[0] * accelerator.num_processes
+        result.optimizer_steps += 1
+        result.sequences += sequences
+        result.tokens += sequences * batch_shape[1]
+        step = result.optimizer_steps
+        if step == 1 or step % log_every == 0:
+            row = {
+                "step": step,
+                "loss": loss.item(),
+                "lr": lr,
+                "batch_size": sequences,
+                "tokens_per_second": result.tokens / max(clock.elapsed, 1e-9),
+                "elapsed": clock.elapsed,
+            }
+            result.history.append(row)
+            accelerator.log(row, step=step)
+            if bar is not None:
+                bar.n = round(100 * clock.progress, 1)
+                bar.set_postfix_str(
+                    f"step {step} loss {row['loss']:.3f} tok/s {row['tokens_per_second']:,.0f} "
+                    f"lr {lr:.2e} batch {sequences} left {_format_seconds(clock.remaining)}"
+                )
+    optimizer.zero_grad(set_to_none=True)
+    result.seconds = clock.elapsed
+    result.epochs = batches.epochs
+    if bar is not None:
+        bar.n = 100
+        bar.refresh()
+        bar.close()
+    return result
+
+
+def _accumulate_gradients(
+    model: torch.nn.Module, batch_iter: Iterator[dict], accelerator: Accelerator, clock: Clock, accumulation: int
+) -> tuple[torch.Tensor, tuple[int, int]] | None:
+    """Backward over `accumulation` micro-batches; the mean loss and the summed (sequences, seq_len) shape.
+
+    Gradients are synchronised across processes only on the last micro-batch. Returns None when the clock
+    runs out first.
+    """
+    loss_sum = torch.zeros((), device=accelerator.device)
+    sequences = seq_len = 0
+    for micro_step in range(accumulation):
+        if clock.done:
+            return None
+        batch = next(batch_iter)
+        is_last = micro_step == accumulation - 1
+        with contextlib.nullcontext() if is_last else accelerator.no_sync(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss / accumulation)
+        loss_sum += loss.detach()
+        sequences += batch["input_ids"].shape[0]
+        seq_len = batch["input_ids"].shape[1]
+    return loss_sum / accumulation, (sequences, seq_len)
