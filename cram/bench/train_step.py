@@ -1,0 +1,147 @@
+"""Benchmark: training tokens/s of crammed BERT against `transformers.BertForMaskedLM`, side by side.
+
+    python -m cram.bench.train_step [--layers 16] [--batch 16] [--steps 5] [--precision fp32,bf16]
+
+Both models have the same depth, width, heads, vocabulary and sequence length, train on the same packed blocks
+through a `DataLoader` on the same device, and each timed step is the whole step: next batch (collation and
+masking included), forward, backward, clipping and the optimizer update. The baseline is what a user would write
+with Hugging Face: `BertForMaskedLM` (SDPA attention), `DataCollatorForLanguageModeling` at the same 25 % masking,
+and `torch.optim.AdamW`. The two models alternate step by step, so load on the machine affects both alike; the
+table reports medians and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+
+import datasets
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordPiece
+from torch.utils.data import DataLoader
+from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling, PreTrainedTokenizerFast
+
+from cram.data.collator import MaskedLMCollator
+from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
+from cram.train.optim import build_adamw
+
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def wordpiece_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A WordPiece tokenizer with `vocab_size` entries; only its special tokens and size matter to the collators."""
+    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS)}
+    vocab.update({f"w{index}": index for index in range(len(SPECIAL_TOKENS), vocab_size)})
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordPiece(vocab, unk_token="[UNK]")),
+        pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+    )
+
+
+def packed_blocks(num_blocks: int, seq_len: int, vocab_size: int, seed: int = 0) -> datasets.Dataset:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(len(SPECIAL_TOKENS), vocab_size, (num_blocks, seq_len), generator=generator, dtype=torch.int32)
+    return datasets.Dataset.from_dict({"input_ids": ids.numpy()}).with_format("torch")
+
+
+def endless(loader: DataLoader) -> Iterator[dict]:
+    while True:
+        yield from loader
+
+
+def make_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator[dict],
+              precision: str) -> Callable[[], float]:
+    autocast = (
+        torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" and not torch.cuda.is_available()
+        else torch.autocast("cuda", dtype=torch.bfloat16) if precision == "bf16"
+        else contextlib.nullcontext()
+    )
+    device = next(model.parameters()).device
+
+    def step() -> float:
+        batch = {name: tensor.to(device, non_blocking=True) for name, tensor in next(batches).items()}
+        with autocast:
+            loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()  # waits for the device, so the step is fully timed
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per model")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per model")
+    parser.add_argument("--precision", default="fp32,bf16", help="comma-separated: fp32, bf16 (autocast)")
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    tokenizer = wordpiece_tokenizer(args.vocab)
+    blocks = packed_blocks(args.batch * (args.warmup + args.steps + 1), args.seq_len, args.vocab)
+
+    crammed = CrammedBertForMaskedLM(CrammedBertConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, intermediate_size=4 * args.hidden, max_position_embeddings=args.seq_len,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )).to(device)
+    baseline = BertForMaskedLM(BertConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, intermediate_size=4 * args.hidden,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="sdpa",
+    )).to(device)
+    contenders = {
+        "crammed BERT": (crammed, build_adamw(crammed, 1e-3, (0.9, 0.98), 1e-12, 0.01),
+                         MaskedLMCollator.for_tokenizer(tokenizer, mask_fraction=0.25)),
+        "HF BertForMaskedLM": (baseline, torch.optim.AdamW(baseline.parameters(), lr=1e-3, betas=(0.9, 0.98),
+                                                            eps=1e-12, weight_decay=0.01),
+                               DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.25)),
+    }
+    tokens_per_step = args.batch * args.seq_len
+    print(f"device {device}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"{args.layers}x{args.hidden}, vocab {args.vocab}, batch {args.batch} x {args.seq_len}, "
+          f"{args.steps} timed steps after {args.warmup} warm-up, alternating")
+    for name, (model, _, _) in contenders.items():
+        print(f"  {name}: {sum(p.numel() for p in model.parameters()):,} parameters")
+
+    rows = []
+    for precision in args.precision.split(","):
+        steps = {
+            name: make_step(model, optimizer, endless(DataLoader(blocks, batch_size=args.batch, collate_fn=collator)),
+                            precision)
+            for name, (model, optimizer, collator) in contenders.items()
+        }
+        seconds: dict[str, list[float]] = {name: [] for name in steps}
+        for index in range(args.warmup + args.steps):
+            for name, step in steps.items():
+                started = time.perf_counter()
+                step()
+                if index >= args.warmup:
+                    seconds[name].append(time.perf_counter() - started)
+        medians = {name: statistics.median(values) for name, values in seconds.items()}
+        base = medians["HF BertForMaskedLM"]
+        for name, median in medians.items():
+            spread = (max(seconds[name]) - min(seconds[name])) / 2
+            rows.append((precision, name, median, spread, tokens_per_step / median, base / median))
+
+    print("\n| precision | model | s/step (median ± half-range) | tokens/s | speed-up vs HF |")
+    print("|---|---|---|---|---|")
+    for precision, name, median, spread, throughput, ratio in rows:
+        print(f"| {precision} | {name} | {median:.3f} ± {spread:.3f} | {throughput:,.0f} | {ratio:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""The crammed-BERT model: exact size, sparse prediction, and life as a plain Hugging Face model."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForMaskedLM, AutoModelForSequenceClassification
+
+import cram  # noqa: F401 - registers the Auto classes
+from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM, CrammedBertForSequenceClassification
+
+# 32768·768 tied embedding + 1 position scale + 2·768 embedding norm
+# + 16 layers × (768·2304 QKV + 768·768 out + 768·3072 up + 1536·768 down + 2·2·768 norms) + 2·768 final norm
+CRAMMED_BERT_PARAMETERS = 119_589_889
+
+
+def tiny_config(**overrides) -> CrammedBertConfig:
+    return CrammedBertConfig.from_preset(
+        "tiny", vocab_size=512, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **overrides
+    )
+
+
+def test_default_config_has_the_exact_parameter_count():
+    with torch.device("meta"):
+        model = CrammedBertForMaskedLM(CrammedBertConfig())
+    assert sum(p.numel() for p in model.parameters()) == CRAMMED_BERT_PARAMETERS
+
+
+def test_architecture_follows_the_recipe():
+    with torch.device("meta"):
+        model = CrammedBertForMaskedLM(CrammedBertConfig())
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(linear.bias is None for linear in linears)
+    assert model.decoder.weight is model.bert.embeddings.word_embeddings.weight
+    assert len(model.bert.layers) == 16
+    ffn = model.bert.layers[0].ffn
+    assert (ffn.up.in_features, ffn.up.out_features, ffn.down.in_features) == (768, 3072, 1536)
+
+
+def test_sparse_loss_equals_dense_loss_on_masked_positions():
+    torch.manual_seed(0)
+    model = CrammedBertForMaskedLM(tiny_config()).eval()
+    input_ids = torch.randint(5, 512, (3, 128))
+    labels = torch.full_like(input_ids, -100)
+    masked = torch.rand(3, 128).argsort(dim=1)[:, :32]
+    labels.scatter_(1, masked, input_ids.gather(1, masked))
+
+    sparse = model(input_ids, labels=labels)
+    dense_logits = model(input_ids).logits
+    dense_loss = torch.nn.functional.cross_entropy(dense_logits.reshape(-1, 512), labels.reshape(-1))
+    assert sparse.logits.shape == (3 * 32, 512)
+    torch.testing.assert_close(sparse.loss, dense_loss)
+
+
+def test_positions_are_scaled_sinusoids_with_one_learned_scale():
+    model = CrammedBertForMaskedLM(tiny_config())
+    positions = model.bert.embeddings.positions
+    assert [name for name, _ in positions.named_parameters()] == ["scale"]
+    torch.testing.assert_close(positions.scale.detach(), torch.tensor(128**-0.5))
+    assert torch.allclose(positions.table[0, 1::2], torch.ones(64))  # cos(0) = 1
+
+
+SAVED_LOGITS_SCRIPT = """
+import sys, torch
+from transformers import AutoModelForMaskedLM
+model = AutoModelForMaskedLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+torch.save(model(torch.load(sys.argv[2])).logits, sys.argv[3])
+"""
+
+
+def test_save_then_load_in_a_fresh_process_gives_identical_logits(tmp_path):
+    torch.manual_seed(0)
+    model = CrammedBertForMaskedLM(tiny_config()).eval()
+    model.save_pretrained(tmp_path / "model")
+    assert (tmp_path / "model" / "model.safetensors").exists()
+    input_ids = torch.randint(5, 512, (2, 64))
+    torch.save(input_ids, tmp_path / "inputs.pt")
+    # A fresh interpreter that never imports cram: the checkpoint carries its modeling code (auto_map).
+    subprocess.run(
+        [sys.executable, "-c", SAVED_LOGITS_SCRIPT, tmp_path / "model", tmp_path / "inputs.pt", tmp_path / "out.pt"],
+        check=True, cwd=tmp_path,
+    )
+    with torch.no_grad():
+        expected = model(input_ids).logits
+    assert torch.equal(torch.load(tmp_path / "out.pt"), expected)
+
+
+def test_auto_classes_build_and_load_crammed_bert(tmp_path):
+    config = tiny_config()
+    assert isinstance(AutoConfig.for_model("crammed_bert"), CrammedBertConfig)
+    CrammedBertForMaskedLM(config).save_pretrained(tmp_path)
+    assert isinstance(AutoModelForMaskedLM.from_pretrained(tmp_path), CrammedBertForMaskedLM)
+    classifier = AutoModelForSequenceClassification.from_pretrained(tmp_path, num_labels=3)
+    assert isinstance(classifier, CrammedBertForSequenceClassification)
+    # The encoder comes from the checkpoint; only the new head is freshly initialised.
+    reloaded = AutoModelForMaskedLM.from_pretrained(tmp_path)
+    torch.testing.assert_close(classifier.bert.layers[0].attention.qkv.weight, reloaded.bert.layers[0].attention.qkv.weight)
+
+
+@pytest.mark.parametrize("num_labels", [1, 3])
+def test_sequence_classifier_trains_with_padding(num_labels):
+    torch.manual_seed(0)
+    model = CrammedBertForSequenceClassification(tiny_config(num_labels=num_labels))
+    input_ids = torch.randint(5, 512, (4, 16))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[:2, 10:] = 0
+    labels = torch.randn(4) if num_labels == 1 else torch.tensor([0, 1, 2, 1])
+    output = model(input_ids, attention_mask=attention_mask, labels=labels)
+    assert output.logits.shape == (4, num_labels)
+    output.loss.backward()
+    assert model.bert.layers[0].attention.qkv.weight.grad is not None
+
+
+def test_padding_does_not_change_the_unpadded_positions():
+    torch.manual_seed(0)
+    model = CrammedBertForMaskedLM(tiny_config()).eval()
+    input_ids = torch.randint(5, 512, (1, 10))
+    padded = torch.cat([input_ids, torch.zeros(1, 6, dtype=torch.long)], dim=1)
+    mask = torch.cat([torch.ones(1, 10), torch.zeros(1, 6)], dim=1).long()
+    with torch.no_grad():
+        alone = model(input_ids).logits
+        with_padding = model(padded, attention_mask=mask).logits[:, :10]
+    torch.testing.assert_close(alone, with_padding, rtol=1e-4, atol=1e-5)
