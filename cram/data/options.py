@@ -1,0 +1,77 @@
+"""The options that decide what a prepared dataset contains (all of them go into its cache key)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cram.errors import UserError
+
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+ORDERINGS = ("curriculum", "random", "none")
+
+
+@dataclass
+class DataOptions:
+    sources: list[str] = field(
+        default_factory=lambda: ["embedded"],
+        metadata={"help": "Text to prepare: files (.txt .jsonl .json .parquet .csv, optionally .gz/.zst), folders, "
+                  "Hugging Face Hub dataset names, or 'embedded' (offline docs corpus). Append ':WEIGHT' to "
+                  "scale a source's share: 0.3 keeps a random 30% of its documents, 2 repeats each twice."},
+    )
+    vocab_size: int = field(default=32768, metadata={"help": "WordPiece vocabulary size, special tokens included."})
+    seq_len: int = field(default=128, metadata={"help": "Tokens per packed block."})
+    trash_cutoff: float = field(
+        default=0.25,
+        metadata={"help": "Keep a document only if its tokens < cutoff x its characters (0 keeps everything)."},
+    )
+    dedup: bool = field(default=False, metadata={"help": "Drop exact duplicate documents."})
+    min_chars: int = field(default=50, metadata={"help": "Drop documents shorter than this many characters."})
+    ordering: str = field(
+        default="curriculum",
+        metadata={"help": "Block order: 'curriculum' (most sentence ends first, as in cramming), 'random', "
+                  "or 'none' (source order)."},
+    )
+    seed: int = field(default=0, metadata={"help": "Seed for sampling, source weights and random ordering."})
+    lowercase: bool = field(
+        default=True,
+        metadata={"help": "Normalise as the recipe says (NFD, lowercase, strip accents); "
+                  "false keeps case and accents."},
+    )
+    tokenizer_sample_chars: int = field(
+        default=20_000_000,
+        metadata={"help": "Characters of text sampled to train the tokenizer (bounds its time and memory)."},
+    )
+    text_column: str = field(default="text", metadata={"help": "Column or JSON key that holds the text."})
+    hub_config: str = field(default="", metadata={"help": "Configuration name for Hub dataset sources."})
+    hub_split: str = field(default="train", metadata={"help": "Split to read from Hub dataset sources."})
+    max_documents: int = field(
+        default=0,
+        metadata={"help": "Read at most this many documents per source (0 = all); bounds streamed Hub corpora."},
+    )
+    tokenizer: str = field(
+        default="",
+        metadata={"help": "For pre-tokenized sources: folder or Hub name of the tokenizer that made the input_ids "
+                  "(default: the source itself)."},
+    )
+    skip_invalid_utf8: bool = field(
+        default=False,
+        metadata={"help": "Skip documents that are not valid UTF-8 (and count them) instead of stopping."},
+    )
+
+    def validate(self) -> None:
+        """Raise UserError for options that cannot work, before any work starts."""
+        if not self.sources:
+            raise UserError("no data sources given; name at least one file, folder, Hub dataset or 'embedded'")
+        if self.vocab_size <= len(SPECIAL_TOKENS):
+            raise UserError(
+                f"vocab_size {self.vocab_size} leaves no room beside the {len(SPECIAL_TOKENS)} special tokens; "
+                "pass --vocab_size of at least 100 (32768 is the recipe's)"
+            )
+        if self.seq_len < 2:
+            raise UserError(f"seq_len {self.seq_len} is too short; pass --seq_len of at least 2 (128 is the recipe's)")
+        if self.ordering not in ORDERINGS:
+            raise UserError(f"unknown ordering {self.ordering!r}; pass --ordering as one of {', '.join(ORDERINGS)}")
+        if self.trash_cutoff < 0:
+            raise UserError(f"trash_cutoff {self.trash_cutoff} is negative; pass 0 to keep everything or e.g. 0.25")
+        if self.tokenizer_sample_chars <= 0:
+            raise UserError("tokenizer_sample_chars must be positive; pass e.g. --tokenizer_sample_chars 20000000")

@@ -1,0 +1,118 @@
+"""Tokenize documents, pack them into fixed-length blocks, and decide the order the blocks are trained in.
+
+Packing: each document is tokenized without [CLS], followed by one [SEP], and the stream is cut into
+`seq_len` blocks; only the final remainder (fewer than `seq_len` tokens) is dropped, no padding anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+from tokenizers import Tokenizer
+
+from cram.data.clean import is_incompressible
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest integer type that holds every id: halves disk and reading time for vocabularies up to 65536."""
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.int32)
+
+
+class DocumentTokenizer:
+    """A `datasets.map` function (arrow batches in, one row out per batch): the batch's kept documents as
+    one token stream, each followed by [SEP], plus counts for the statistics.
+
+    One row per batch keeps the stream as a flat numpy array; a list of Python ints per document is what
+    makes the usual tokenize-then-group approach slow and memory-hungry.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, sep_id: int, trash_cutoff: float, dtype: np.dtype) -> None:
+        self.tokenizer = tokenizer
+        self.sep_id = sep_id
+        self.trash_cutoff = trash_cutoff
+        self.dtype = dtype
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        texts = batch.column("text").to_pylist()
+        encodings = self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+        kept_ids: list[list[int]] = []
+        kept_chars = 0
+        for text, encoding in zip(texts, encodings, strict=True):
+            ids = encoding.ids
+            if not is_incompressible(len(ids), len(text), self.trash_cutoff):
+                kept_ids.append(ids)
+                kept_chars += len(text)
+        lengths = np.fromiter((len(ids) + 1 for ids in kept_ids), dtype=np.int64, count=len(kept_ids))
+        stream = np.full(int(lengths.sum()), self.sep_id, dtype=self.dtype)
+        starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        for start, ids in zip(starts.tolist(), kept_ids, strict=True):
+            stream[start:start + len(ids)] = ids
+        return pa.table({
+            "ids": pa.ListArray.from_arrays(pa.array([0, len(stream)], pa.int32()), pa.array(stream)),
+            "documents_kept": [len(kept_ids)],
+            "documents_incompressible": [len(texts) - len(kept_ids)],
+            "chars_kept": [kept_chars],
+        })
+
+
+class BlockWriter:
+    """Cut a token stream, arriving in pieces, into `seq_len` blocks and write them to an Arrow stream file.
+
+    Memory holds one piece plus the carried remainder, whatever the corpus size. For each block it keeps
+    the count of sentence-ending tokens (4 bytes a block) for the curriculum.
+    """
+
+    def __init__(self, path: Path, seq_len: int, dtype: np.dtype, sentence_end_ids: list[int]) -> None:
+        self.seq_len = seq_len
+        self.dtype = dtype
+        self.sentence_end_ids = np.array(sentence_end_ids, dtype=dtype)
+        self.carry = np.empty(0, dtype=dtype)
+        self.sentence_end_counts: list[np.ndarray] = []
+        self.blocks = 0
+        list_type = pa.list_(pa.from_numpy_dtype(dtype), seq_len)
+        self.schema = pa.schema([("input_ids", list_type)])
+        self.file = pa.OSFile(str(path), "wb")
+        self.writer = pa.ipc.new_stream(self.file, self.schema)
+
+    def add(self, tokens: np.ndarray) -> None:
+        stream = np.concatenate((self.carry, tokens.astype(self.dtype, copy=False)))
+        count = len(stream) // self.seq_len
+        blocks = stream[:count * self.seq_len].reshape(count, self.seq_len)
+        self.carry = stream[count * self.seq_len:]
+        if count:
+            column = pa.FixedSizeListArray.from_arrays(pa.array(blocks.ravel()), self.seq_len)
+            self.writer.write_batch(pa.record_batch([column], schema=self.schema))
+            self.sentence_end_counts.append(np.isin(blocks, self.sentence_end_ids).sum(axis=1, dtype=np.int32))
+            self.blocks += count
+
+    def close(self) -> int:
+        """Finish the file; return the number of tokens in the dropped final remainder."""
+        self.writer.close()
+        self.file.close()
+        return len(self.carry)
+
+    def sentence_ends(self) -> np.ndarray:
+        return np.concatenate(self.sentence_end_counts) if self.sentence_end_counts else np.empty(0, np.int32)
+
+
+def pack_streams(streams: Iterable[np.ndarray], writer: BlockWriter) -> int:
+    """Feed token pieces in order to `writer`; return the dropped remainder's length."""
+    for tokens in streams:
+        writer.add(tokens)
+    return writer.close()
+
+
+def block_order(ordering: str, sentence_ends: np.ndarray, seed: int) -> np.ndarray | None:
+    """Indices giving the training order, or None to keep the packed (source) order.
+
+    'curriculum' is cramming's sentence-length curriculum: blocks with the most sentence-ending tokens
+    (so the shortest sentences) first; ties keep their packed order.
+    """
+    if ordering == "curriculum":
+        return np.argsort(-sentence_ends.astype(np.int64), kind="stable")
+    if ordering == "random":
+        return np.random.default_rng(seed).permutation(len(sentence_ends))
+    return None

@@ -1,0 +1,287 @@
+"""From sources to a cached set of packed blocks: read → clean → train tokenizer → tokenize → pack → order → save.
+
+Every stage streams through Arrow files on disk, so peak memory does not grow with the corpus.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from cram.data.cache import TMP_MARKER, atomic_directory, cache_key, default_cache_dir
+from cram.data.clean import DocumentFilter, WeightSampler
+from cram.data.options import DataOptions
+from cram.data.pack import BlockWriter, DocumentTokenizer, block_order, token_dtype
+from cram.data.sources import Source, iter_records, resolve_sources, source_identity
+from cram.data.tokenizer import sentence_end_ids, train_wordpiece
+from cram.errors import UserError
+
+OPTIONS_FILE = "data_options.json"
+STATS_FILE = "stats.json"
+# Documents per Arrow record batch while reading, and per tokenizer call: large enough to amortise
+# per-call overhead, small enough that one batch is a few MB.
+DOCUMENT_BATCH = 1000
+
+
+@dataclass
+class PreparedData:
+    dataset: datasets.Dataset
+    tokenizer: PreTrainedTokenizerFast
+    path: Path
+    stats: dict
+
+
+def prepare(options: DataOptions, cache_dir: str | Path | None = None, force: bool = False,
+            num_proc: int | None = None, progress: bool = True,
+            output_dir: str | Path | None = None) -> PreparedData:
+    """Prepare (or reuse) the packed dataset that `options` describe.
+
+    It lands in `output_dir` if given, else in `cache_dir`/<key> (cache_dir defaults to $CRAM_CACHE or
+    ~/.cache/cram). A folder already holding the same key is reused unless `force`.
+    """
+    options.validate()
+    cache_root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    sources = resolve_sources(options.sources, cache_root)
+    resolved = {name: value for name, value in asdict(options).items() if name != "sources"}
+    identities = [source_identity(source, options.hub_config, options.hub_split) for source in sources]
+    key = cache_key(resolved, identities)
+    target = Path(output_dir) if output_dir is not None else cache_root / key
+    if is_prepared(target) and not force:
+        if _read_json(target / OPTIONS_FILE).get("cache_key") == key:
+            return load_prepared(target)
+        raise UserError(f"{target} holds data prepared with other options; pass --force to replace it "
+                        "or choose another output folder")
+    with atomic_directory(target) as work_dir, _progress_bars(progress):
+        stats = _build(options, sources, work_dir, num_proc or os.cpu_count() or 1, progress)
+        _write_json(work_dir / OPTIONS_FILE, {"cache_key": key, "options": asdict(options), "sources": identities})
+        _write_json(work_dir / STATS_FILE, stats)
+    return load_prepared(target)
+
+
+def is_prepared(path: str | Path) -> bool:
+    """True when `path` is a finished folder written by `prepare` (a temporary or half-written one is not)."""
+    path = Path(path)
+    return (
+        TMP_MARKER not in path.name
+        and (path / STATS_FILE).is_file()
+        and (path / "dataset" / "state.json").is_file()
+        and (path / "tokenizer" / "tokenizer.json").is_file()
+    )
+
+
+def load_prepared(path: str | Path) -> PreparedData:
+    """Open a folder written by `prepare` (or recipes/prepare_data.py); the blocks stay memory-mapped."""
+    path = Path(path)
+    if not is_prepared(path):
+        raise UserError(f"{path} is not a prepared dataset; create one with recipes/prepare_data.py")
+    return PreparedData(
+        dataset=datasets.load_from_disk(str(path / "dataset")),
+        tokenizer=AutoTokenizer.from_pretrained(str(path / "tokenizer")),
+        path=path,
+        stats=_read_json(path / STATS_FILE),
+    )
+
+
+def _build(options: DataOptions, sources: list[Source], out_dir: Path, num_proc: int, progress: bool) -> dict:
+    work_dir = out_dir / "work"
+    work_dir.mkdir()
+    stats: dict = {"seq_len": options.seq_len}
+    clock = time.perf_counter()
+    documents_path = work_dir / "documents.arrow"
+    column = _write_documents(sources, options, documents_path, stats, progress)
+    documents = datasets.Dataset.from_file(str(documents_path))
+    stats["seconds_reading"] = _lap(clock)
+
+    clock = time.perf_counter()
+    if column == "text":
+        tokenizer = train_wordpiece(
+            _sample_texts(documents, options.tokenizer_sample_chars, options.seed),
+            options.vocab_size, options.lowercase, options.seq_len, progress,
+        )
+    else:
+        tokenizer = _pretokenized_tokenizer(options, sources)
+    stats["vocab_size"] = len(tokenizer)
+    stats["seconds_tokenizer_training"] = _lap(clock)
+
+    clock = time.perf_counter()
+    dtype = token_dtype(len(tokenizer))
+    writer = BlockWriter(work_dir / "blocks.arrow", options.seq_len, dtype, sentence_end_ids(tokenizer))
+    if column == "text":
+        streams = _tokenized_streams(documents, tokenizer, options, dtype, work_dir, num_proc, stats)
+    else:
+        streams = _pretokenized_streams(documents, stats)
+    for tokens in streams:
+        writer.add(tokens)
+    stats["tokens_dropped_remainder"] = writer.close()
+    stats["blocks"] = writer.blocks
+    stats["tokens"] = writer.blocks * options.seq_len + stats["tokens_dropped_remainder"]
+    stats["tokens_per_character"] = round(stats["tokens"] / max(stats["characters"], 1), 4)
+    if writer.blocks == 0:
+        raise UserError(f"the corpus gives {stats['tokens']} tokens after cleaning, less than one {options.seq_len}"
+                        "-token block; add more text or pass a smaller --seq_len")
+    stats["seconds_tokenizing_and_packing"] = _lap(clock)
+
+    clock = time.perf_counter()
+    blocks = datasets.Dataset.from_file(str(work_dir / "blocks.arrow"))
+    order = block_order(options.ordering, writer.sentence_ends(), options.seed)
+    if order is not None:
+        blocks = blocks.select(order)
+    blocks.save_to_disk(str(out_dir / "dataset"))
+    tokenizer.save_pretrained(str(out_dir / "tokenizer"))
+    stats["seconds_ordering_and_saving"] = _lap(clock)
+    stats["seconds"] = round(sum(value for name, value in stats.items() if name.startswith("seconds_")), 2)
+    del blocks, documents
+    shutil.rmtree(work_dir)
+    return stats
+
+
+def _write_documents(sources: list[Source], options: DataOptions, path: Path, stats: dict, progress: bool) -> str:
+    """Stream every source's kept documents into one Arrow file; return its column ('text' or 'input_ids')."""
+    document_filter = DocumentFilter(options.min_chars, options.dedup)
+    counters: dict = {"invalid_utf8_skipped": 0}
+    column = ""
+    writer = None
+    buffer: list = []
+    read = kept = characters = 0
+    with open(path, "wb") as file, tqdm(desc="Reading documents", unit=" docs", disable=not progress) as bar:
+        for index, source in enumerate(sources):
+            sampler = WeightSampler(source.weight, options.seed, index)
+            records = iter_records(source, options.text_column, options.hub_config, options.hub_split,
+                                   options.skip_invalid_utf8, counters)
+            for count, record in enumerate(records, start=1):
+                (record_column, value), = record.items()
+                if column and record_column != column:
+                    raise UserError("sources mix raw text with pre-tokenized input_ids; prepare them separately")
+                column = record_column
+                read += 1
+                bar.update()
+                if column == "text" and not document_filter.keep(value):
+                    continue
+                copies = sampler.copies()
+                buffer += [value] * copies
+                kept += copies
+                characters += copies * len(value) if column == "text" else 0
+                if len(buffer) >= DOCUMENT_BATCH:
+                    writer = _write_batch(writer, file, column, buffer)
+                    buffer = []
+                if count == options.max_documents:
+                    break
+        if buffer:
+            writer = _write_batch(writer, file, column, buffer)
+        if writer is not None:
+            writer.close()
+    stats.update(
+        documents_read=read,
+        documents_too_short=document_filter.too_short,
+        documents_duplicate=document_filter.duplicates,
+        invalid_utf8_skipped=counters["invalid_utf8_skipped"],
+        documents_after_cleaning=kept,
+        characters=characters,
+    )
+    if kept == 0:
+        raise UserError(f"the sources hold no documents of at least {options.min_chars} characters "
+                        f"({read} read); check the sources or lower --min_chars")
+    return column
+
+
+def _write_batch(writer: pa.ipc.RecordBatchStreamWriter | None, file, column: str,
+                 values: list) -> pa.ipc.RecordBatchStreamWriter:
+    value_type = pa.large_string() if column == "text" else pa.list_(pa.int32())
+    batch = pa.record_batch([pa.array(values, value_type)], names=[column])
+    if writer is None:
+        writer = pa.ipc.new_stream(file, batch.schema)
+    writer.write_batch(batch)
+    return writer
+
+
+def _sample_texts(documents: datasets.Dataset, budget_chars: int, seed: int) -> Iterator[str]:
+    """Texts from randomly chosen runs of documents until `budget_chars`: a bounded sample spread over the corpus."""
+    starts = np.random.default_rng(seed).permutation(np.arange(0, len(documents), DOCUMENT_BATCH))
+    used = 0
+    for start in starts.tolist():
+        for text in documents.data.slice(start, DOCUMENT_BATCH).column("text").to_pylist():
+            yield text
+            used += len(text)
+            if used >= budget_chars:
+                return
+
+
+def _tokenized_streams(documents: datasets.Dataset, tokenizer: PreTrainedTokenizerFast, options: DataOptions,
+                       dtype: np.dtype, work_dir: Path, num_proc: int, stats: dict) -> Iterator[np.ndarray]:
+    """Tokenize and filter in parallel (one worker per core), then yield each batch's token stream in order."""
+    sep_id = tokenizer.convert_tokens_to_ids("[SEP]")
+    tokenize = DocumentTokenizer(tokenizer.backend_tokenizer, sep_id, options.trash_cutoff, dtype)
+    batches = max(1, -(-len(documents) // DOCUMENT_BATCH))
+    streams = documents.with_format("arrow").map(
+        tokenize,
+        batched=True,
+        batch_size=DOCUMENT_BATCH,
+        remove_columns=["text"],
+        num_proc=min(num_proc, batches) if num_proc > 1 else None,
+        cache_file_name=str(work_dir / "tokens.arrow"),
+        new_fingerprint="tokens",  # the work folder is private to this run; skip hashing the function
+        desc="Tokenizing and filtering",
+    )
+    counts = streams.with_format("arrow").select_columns(["documents_kept", "documents_incompressible", "chars_kept"])
+    totals = {name: int(pc.sum(counts.data.column(name)).as_py() or 0) for name in counts.column_names}
+    stats["documents_incompressible"] = totals["documents_incompressible"]
+    stats["documents_kept"] = totals["documents_kept"]
+    stats["characters"] = totals["chars_kept"]
+    for table in streams.select_columns(["ids"]).with_format("arrow").iter(batch_size=8):
+        yield table.column(0).combine_chunks().flatten().to_numpy()
+
+
+def _pretokenized_streams(documents: datasets.Dataset, stats: dict) -> Iterator[np.ndarray]:
+    """Pre-tokenized rows already carry their separators; they are only re-cut to seq_len."""
+    stats["documents_incompressible"] = 0
+    stats["documents_kept"] = len(documents)
+    for batch in documents.data.to_batches():
+        yield batch.column(0).flatten().to_numpy()
+
+
+def _pretokenized_tokenizer(options: DataOptions, sources: list[Source]) -> PreTrainedTokenizerFast:
+    location = options.tokenizer or (sources[0].hub_name or str(sources[0].files[0].parent))
+    try:
+        return AutoTokenizer.from_pretrained(location)
+    except (OSError, ValueError) as err:
+        raise UserError(
+            f"could not load the tokenizer for the pre-tokenized input_ids from {location} "
+            f"({type(err).__name__}); pass --tokenizer with the folder or Hub name that made them"
+        ) from None
+
+
+@contextlib.contextmanager
+def _progress_bars(enabled: bool) -> Iterator[None]:
+    was_enabled = datasets.is_progress_bar_enabled()
+    if not enabled:
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
+
+
+def _lap(start: float) -> float:
+    return round(time.perf_counter() - start, 2)
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _write_json(path: Path, value: dict) -> None:
+    path.write_text(json.dumps(value, indent=2, sort_keys=True, default=str) + "\n")

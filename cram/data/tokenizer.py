@@ -1,0 +1,55 @@
+"""Train the WordPiece tokenizer from scratch (no pretrained vocabulary anywhere) and wrap it for `transformers`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+from cram.data.options import SPECIAL_TOKENS
+from cram.errors import UserError
+
+
+def train_wordpiece(texts: Iterator[str], vocab_size: int, lowercase: bool, model_max_length: int,
+                    progress: bool = False) -> PreTrainedTokenizerFast:
+    """Train on `texts` with the recipe's normaliser (NFD, lowercase, strip accents) and whitespace splitting.
+
+    The special tokens come first, so [PAD]=0, [UNK]=1, [CLS]=2, [SEP]=3, [MASK]=4.
+    """
+    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    if lowercase:
+        tokenizer.normalizer = normalizers.Sequence(
+            [normalizers.NFD(), normalizers.Lowercase(), normalizers.StripAccents()]
+        )
+    else:
+        tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=progress)
+    tokenizer.train_from_iterator(texts, trainer)
+    if tokenizer.get_vocab_size() <= len(SPECIAL_TOKENS):
+        raise UserError("the corpus yielded no tokens to train a vocabulary on; give it documents with text")
+    cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    # Single texts and pairs get BERT's framing when the tokenizer is used later (fine-tuning, inference);
+    # packing calls it with add_special_tokens=False and places [SEP] itself.
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_max_length=model_max_length,
+    )
+
+
+def sentence_end_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
+    """Ids of the tokens that end a sentence, counted by the sentence-length curriculum."""
+    vocab = tokenizer.get_vocab()
+    return sorted(vocab[token] for token in (".", "!", "?") if token in vocab)
