@@ -20,7 +20,7 @@ from pathlib import Path
 from cram.data.cache import atomic_file, default_cache_dir
 
 # Enough text for a few minutes of tiny-model pretraining; more would only slow the first build.
-TARGET_CHARS = 16_000_000
+TARGET_CHARS = 12_000_000
 MIN_DOCSTRING_CHARS = 200
 # Share of letters and spaces below which a docstring is mostly code, tables or signatures.
 MIN_PROSE_FRACTION = 0.8
