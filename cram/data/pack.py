@@ -47,7 +47,7 @@ class DocumentTokenizer:
                 kept_chars += len(text)
         lengths = np.fromiter((len(ids) + 1 for ids in kept_ids), dtype=np.int64, count=len(kept_ids))
         stream = np.full(int(lengths.sum()), self.sep_id, dtype=self.dtype)
-        starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        starts = np.cumsum(lengths) - lengths
         for start, ids in zip(starts.tolist(), kept_ids, strict=True):
             stream[start:start + len(ids)] = ids
         return pa.table({

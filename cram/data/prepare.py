@@ -129,6 +129,10 @@ def _build(options: DataOptions, sources: list[Source], out_dir: Path, num_proc:
     stats["blocks"] = writer.blocks
     stats["tokens"] = writer.blocks * options.seq_len + stats["tokens_dropped_remainder"]
     stats["tokens_per_character"] = round(stats["tokens"] / max(stats["characters"], 1), 4)
+    if stats["documents_kept"] == 0:
+        raise UserError(f"all {stats['documents_incompressible']} documents were dropped as incompressible "
+                        f"(tokens >= {options.trash_cutoff} x characters); raise --vocab_size or --trash_cutoff "
+                        "(0 keeps everything)")
     if writer.blocks == 0:
         raise UserError(f"the corpus gives {stats['tokens']} tokens after cleaning, less than one {options.seq_len}"
                         "-token block; add more text or pass a smaller --seq_len")
