@@ -1,0 +1,128 @@
+"""The cache: keyed by every option and the sources' identity, reused, rebuilt on --force, never half-written."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cram.data import DataOptions, is_prepared, load_prepared, prepare
+from cram.data.cache import cache_key
+from cram.data.prepare import OPTIONS_FILE
+from cram.errors import UserError
+
+# One changed value per option: each must change the key.
+CHANGED_VALUES = {
+    "sources": ["embedded:0.5"],
+    "vocab_size": 1000,
+    "seq_len": 64,
+    "trash_cutoff": 0.3,
+    "dedup": True,
+    "min_chars": 10,
+    "ordering": "random",
+    "seed": 1,
+    "lowercase": False,
+    "tokenizer_sample_chars": 1000,
+    "text_column": "body",
+    "hub_config": "en",
+    "hub_split": "validation",
+    "max_documents": 10,
+    "tokenizer": "some/tokenizer",
+    "skip_invalid_utf8": True,
+}
+
+
+def key_of(options: DataOptions) -> str:
+    resolved = {name: value for name, value in dataclasses.asdict(options).items() if name != "sources"}
+    return cache_key(resolved, [options.sources])
+
+
+def test_every_option_changes_the_key_and_nothing_else_does():
+    assert set(CHANGED_VALUES) == {field.name for field in dataclasses.fields(DataOptions)}
+    base = key_of(DataOptions())
+    assert key_of(DataOptions()) == base
+    for name, value in CHANGED_VALUES.items():
+        assert key_of(dataclasses.replace(DataOptions(), **{name: value})) != base, name
+
+
+@pytest.fixture
+def corpus(tmp_path, english_texts) -> Path:
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in english_texts[:200]))
+    return path
+
+
+def small_options(corpus: Path, **overrides) -> DataOptions:
+    return DataOptions(**{"sources": [str(corpus)], "vocab_size": 500, "seq_len": 32, "trash_cutoff": 0, **overrides})
+
+
+def test_second_run_reuses_and_force_rebuilds(tmp_path, corpus):
+    first = prepare(small_options(corpus), cache_dir=tmp_path / "cache", num_proc=1, progress=False)
+    stamp = (first.path / OPTIONS_FILE).stat().st_mtime_ns
+    again = prepare(small_options(corpus), cache_dir=tmp_path / "cache", num_proc=2, progress=False)
+    assert again.path == first.path and (again.path / OPTIONS_FILE).stat().st_mtime_ns == stamp
+    forced = prepare(small_options(corpus), cache_dir=tmp_path / "cache", force=True, num_proc=1, progress=False)
+    assert forced.path == first.path and (forced.path / OPTIONS_FILE).stat().st_mtime_ns != stamp
+    assert [entry.name for entry in (tmp_path / "cache").iterdir()] == [first.path.name]
+
+
+def test_changed_source_file_changes_the_key(tmp_path, corpus):
+    first = prepare(small_options(corpus), cache_dir=tmp_path / "cache", num_proc=1, progress=False)
+    with open(corpus, "a") as file:
+        file.write(json.dumps({"text": "One more document, long enough to pass the minimum length filter."}) + "\n")
+    second = prepare(small_options(corpus), cache_dir=tmp_path / "cache", num_proc=1, progress=False)
+    assert second.path != first.path
+    assert second.stats["documents_read"] == first.stats["documents_read"] + 1
+
+
+def test_output_dir_with_other_options_needs_force(tmp_path, corpus):
+    prepare(small_options(corpus), output_dir=tmp_path / "out", num_proc=1, progress=False)
+    with pytest.raises(UserError, match="--force"):
+        prepare(small_options(corpus, seq_len=16), output_dir=tmp_path / "out", num_proc=1, progress=False)
+    rebuilt = prepare(small_options(corpus, seq_len=16), output_dir=tmp_path / "out", force=True, num_proc=1,
+                      progress=False)
+    assert len(rebuilt.dataset[0]["input_ids"]) == 16
+    assert load_prepared(tmp_path / "out").stats == rebuilt.stats
+
+
+def test_failure_midway_leaves_no_folder(tmp_path, english_texts):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("\n\n".join(english_texts[:100]))
+    (tmp_path / "corpus" / "b.txt").write_bytes(b"fine text here\n\xff\xfe broken\n")
+    with pytest.raises(UserError):
+        prepare(small_options(tmp_path / "corpus"), output_dir=tmp_path / "out", num_proc=1, progress=False)
+    assert not (tmp_path / "out").exists()
+    assert [entry.name for entry in tmp_path.iterdir()] == ["corpus"]
+
+
+def test_killed_run_leaves_nothing_usable_and_the_next_run_recovers(tmp_path, embedded_corpus):
+    output = tmp_path / "out"
+    script = (
+        "from cram.data import DataOptions, prepare;"
+        f"prepare(DataOptions(sources=[{str(embedded_corpus)!r}], vocab_size=2000), output_dir={str(output)!r},"
+        "num_proc=1, progress=False)"
+    )
+    process = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 60
+    # Kill it once it has started writing its temporary folder.
+    while not list(tmp_path.glob(".out.tmp-*")) and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    assert process.poll() is None, "preparation finished before it could be interrupted"
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert list(tmp_path.glob(".out.tmp-*")), "the killed run left no temporary folder to check"
+    assert not output.exists() and not is_prepared(output)
+    for leftover in tmp_path.iterdir():
+        assert not is_prepared(leftover)
+    small = DataOptions(sources=[str(embedded_corpus)], vocab_size=300, max_documents=300, trash_cutoff=0)
+    prepare(small, output_dir=output, num_proc=1, progress=False)
+    assert is_prepared(output)
+    assert not list(tmp_path.glob(".out.tmp-*"))
