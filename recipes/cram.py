@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# This script is named like the package it uses: keep its own folder from shadowing `cram` on the import path.
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
+
+import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from transformers import HfArgumentParser
 
-import torch
 from cram.data import DataOptions, is_prepared, load_prepared, prepare
 from cram.data.collator import MaskedLMCollator
 from cram.errors import UserError, run_cli
@@ -68,7 +72,9 @@ class TrainingOptions:
 class ImplementationOptions:
     """Options that change only speed and bookkeeping."""
 
-    output_dir: str = option("runs/cram", "where the run writes; the checkpoint lands in OUTPUT_DIR/final", "--output-dir")
+    output_dir: str = option(
+        "runs/cram", "where the run writes; the checkpoint lands in OUTPUT_DIR/final", "--output-dir"
+    )
     micro_batch_size: int | None = option(
         None, "sequences per forward pass per process (default by preset: 128 for crammed-bert)", "--micro-batch-size"
     )
@@ -88,7 +94,9 @@ def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
     if training.preset not in PRESETS:
         raise UserError(f"unknown preset {training.preset!r}: choose one of {', '.join(PRESETS)}.")
     if training.data != "embedded" and not Path(training.data).exists():
-        raise UserError(f"the data path {training.data} does not exist: give an existing file or folder, or 'embedded'.")
+        raise UserError(
+            f"the data path {training.data} does not exist: give an existing file or folder, or 'embedded'."
+        )
     if implementation.report_to not in ("none", "wandb"):
         raise UserError(f"unknown tracker {implementation.report_to!r}: choose none or wandb.")
     target, micro = BATCH_DEFAULTS[training.preset]
@@ -126,7 +134,9 @@ def main() -> None:
     config.vocab_size = len(data.tokenizer)
     config.max_position_embeddings = len(data.dataset[0]["input_ids"])
     collator = MaskedLMCollator.for_tokenizer(data.tokenizer, mask_fraction=config.sparse_prediction)
-    num_workers = implementation.num_workers if implementation.num_workers is not None else (2 if device_type == "cuda" else 0)
+    num_workers = implementation.num_workers
+    if num_workers is None:
+        num_workers = 2 if device_type == "cuda" else 0  # on the CPU, workers would take cores from the model
     loader = DataLoader(
         data.dataset.with_format("torch", columns=["input_ids"]),
         batch_size=implementation.micro_batch_size,
@@ -138,8 +148,8 @@ def main() -> None:
     )
     if len(loader) == 0:
         raise UserError(
-            f"the data has {len(data.dataset)} blocks, fewer than one micro-batch of {implementation.micro_batch_size}: "
-            "give more text or a smaller --micro-batch-size."
+            f"the data has {len(data.dataset)} blocks, fewer than one micro-batch of "
+            f"{implementation.micro_batch_size}: give more text or a smaller --micro-batch-size."
         )
     model = CrammedBertForMaskedLM(config)
     optimizer = build_adamw(model, training.lr, (training.beta1, training.beta2), training.eps, training.weight_decay)

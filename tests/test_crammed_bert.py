@@ -95,7 +95,8 @@ def test_auto_classes_build_and_load_crammed_bert(tmp_path):
     assert isinstance(classifier, CrammedBertForSequenceClassification)
     # The encoder comes from the checkpoint; only the new head is freshly initialised.
     reloaded = AutoModelForMaskedLM.from_pretrained(tmp_path)
-    torch.testing.assert_close(classifier.bert.layers[0].attention.qkv.weight, reloaded.bert.layers[0].attention.qkv.weight)
+    qkv = classifier.bert.layers[0].attention.qkv.weight
+    torch.testing.assert_close(qkv, reloaded.bert.layers[0].attention.qkv.weight)
 
 
 @pytest.mark.parametrize("num_labels", [1, 3])

@@ -7,7 +7,9 @@ from cram.train.budget import BudgetClock, budget_triangle, parse_budget
 from cram.train.ramp import full_accumulation, ramp_accumulation
 
 
-@pytest.mark.parametrize("text, seconds", [("24h", 86400), ("90m", 5400), ("30s", 30), ("1.5d", 129600), (" 2h ", 7200)])
+@pytest.mark.parametrize(
+    "text, seconds", [("24h", 86400), ("90m", 5400), ("30s", 30), ("1.5d", 129600), (" 2h ", 7200)]
+)
 def test_parse_budget(text, seconds):
     assert parse_budget(text) == seconds
 

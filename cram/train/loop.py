@@ -98,6 +98,7 @@ def train(
     bar = None
     if show_progress and accelerator.is_main_process:
         bar = tqdm(total=100, unit="%", bar_format="{l_bar}{bar}| {postfix}", dynamic_ncols=True)
+    logged = False
     model.train()
     clock.start()
     while not clock.done:
@@ -117,24 +118,11 @@ def train(
         result.optimizer_steps += 1
         result.sequences += sequences
         result.tokens += sequences * batch_shape[1]
-        step = result.optimizer_steps
-        if step == 1 or step % log_every == 0:
-            row = {
-                "step": step,
-                "loss": loss.item(),
-                "lr": lr,
-                "batch_size": sequences,
-                "tokens_per_second": result.tokens / max(clock.elapsed, 1e-9),
-                "elapsed": clock.elapsed,
-            }
-            result.history.append(row)
-            accelerator.log(row, step=step)
-            if bar is not None:
-                bar.n = round(100 * clock.progress, 1)
-                bar.set_postfix_str(
-                    f"step {step} loss {row['loss']:.3f} tok/s {row['tokens_per_second']:,.0f} "
-                    f"lr {lr:.2e} batch {sequences} left {_format_seconds(clock.remaining)}"
-                )
+        logged = result.optimizer_steps == 1 or result.optimizer_steps % log_every == 0
+        if logged:
+            _log_step(result, loss, lr, sequences, clock, accelerator, bar)
+    if result.optimizer_steps and not logged:  # the final step is always in the history
+        _log_step(result, loss, lr, sequences, clock, accelerator, bar)
     optimizer.zero_grad(set_to_none=True)
     result.seconds = clock.elapsed
     result.epochs = batches.epochs
@@ -167,3 +155,25 @@ def _accumulate_gradients(
         sequences += batch["input_ids"].shape[0]
         seq_len = batch["input_ids"].shape[1]
     return loss_sum / accumulation, (sequences, seq_len)
+
+
+def _log_step(
+    result: TrainResult, loss: torch.Tensor, lr: float, sequences: int, clock: Clock, accelerator: Accelerator,
+    bar: tqdm | None,
+) -> None:
+    row = {
+        "step": result.optimizer_steps,
+        "loss": loss.item(),
+        "lr": lr,
+        "batch_size": sequences,
+        "tokens_per_second": result.tokens / max(clock.elapsed, 1e-9),
+        "elapsed": clock.elapsed,
+    }
+    result.history.append(row)
+    accelerator.log(row, step=row["step"])
+    if bar is not None:
+        bar.update(round(100 * clock.progress, 1) - bar.n)
+        bar.set_postfix_str(
+            f"step {row['step']} loss {row['loss']:.3f} tok/s {row['tokens_per_second']:,.0f} "
+            f"lr {lr:.2e} batch {sequences} left {_format_seconds(clock.remaining)}"
+        )

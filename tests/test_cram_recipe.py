@@ -1,0 +1,98 @@
+"""recipes/cram.py end to end through the real `accelerate launch`, and its answers to bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+import cram  # noqa: F401 - registers the Auto classes
+from cram.models.crammed_bert import CrammedBertForMaskedLM
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "cram.py"
+ACCELERATE = Path(sys.executable).with_name("accelerate")
+
+
+def recipe_env(cache_dir: Path) -> dict[str, str]:
+    return {**os.environ, "CRAM_CACHE": str(cache_dir), "TOKENIZERS_PARALLELISM": "false"}
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory, embedded_corpus) -> Path:
+    """One data cache for this module, so the prepared embedded set is built once and reused."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def crammed_run(tmp_path_factory, cache_dir) -> Path:
+    output_dir = tmp_path_factory.mktemp("run")
+    command = [
+        ACCELERATE, "launch", "-q", "--config_file", REPO / "accel_configs" / "cpu.yaml", RECIPE,
+        "--preset", "tiny", "--budget", "30s", "--output-dir", output_dir, "--log-every", "5",
+    ]
+    completed = subprocess.run(command, env=recipe_env(cache_dir), capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert f"checkpoint: {output_dir / 'final'}" in completed.stdout
+    return output_dir
+
+
+@pytest.mark.slow
+def test_a_thirty_second_cram_run_lowers_the_loss_by_a_clear_margin(crammed_run):
+    summary = json.loads((crammed_run / "summary.json").read_text())
+    assert summary["optimizer_steps"] >= 10
+    assert summary["first_loss"] > 7.5  # ln(4096) ≈ 8.3 at initialisation
+    assert summary["final_loss"] < summary["first_loss"] - 1.0
+    assert summary["tokens"] == summary["sequences"] * 128
+    assert 20 <= summary["seconds"] <= 40  # stops when the budget runs out
+
+
+@pytest.mark.slow
+def test_batch_ramps_up_and_learning_rate_follows_the_budget(crammed_run):
+    history = json.loads((crammed_run / "summary.json").read_text())["history"]
+    batch_sizes = [row["batch_size"] for row in history]
+    assert batch_sizes[0] == 32 and max(batch_sizes) > 32
+    assert batch_sizes == sorted(batch_sizes)
+    assert history[0]["lr"] == pytest.approx(1e-3 * 0.25, rel=0.05)
+
+
+@pytest.mark.slow
+def test_the_checkpoint_is_a_plain_hugging_face_model(crammed_run):
+    final = crammed_run / "final"
+    written = {path.name for path in final.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "cram_options.json"} <= written
+    model = AutoModelForMaskedLM.from_pretrained(final)
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    assert isinstance(model, CrammedBertForMaskedLM)
+    assert model.config.vocab_size == len(tokenizer)
+    encoded = tokenizer("the function returns a [MASK] of values", return_tensors="pt")
+    with torch.no_grad():
+        logits = model(encoded["input_ids"]).logits
+    assert logits.shape == (1, encoded["input_ids"].shape[1], len(tokenizer))
+    options = json.loads((final / "cram_options.json").read_text())
+    assert options["training"]["preset"] == "tiny" and options["resolved"]["budget_seconds"] == 30
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--data", "/no/such/corpus"], "does not exist"),
+        (["--preset", "enormous"], "unknown preset"),
+        (["--budget", "a while"], "cannot read the budget"),
+        (["--micro-batch-size", "96"], "does not divide"),
+    ],
+)
+def test_bad_input_gets_one_sentence_and_leaves_no_checkpoint(tmp_path, cache_dir, arguments, message):
+    output_dir = tmp_path / "run"
+    command = [sys.executable, RECIPE, "--preset", "tiny", "--budget", "5s", "--output-dir", output_dir, *arguments]
+    completed = subprocess.run(command, env=recipe_env(cache_dir), capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 2
+    assert completed.stderr.startswith("error: ") and message in completed.stderr
+    assert "Traceback" not in completed.stderr and len(completed.stderr.strip().splitlines()) == 1
+    assert not output_dir.exists()
