@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(BIN)/accelerate launch -q --config_file accel_configs/cpu.yaml recipes/cram.py \
+	$(BIN)/accelerate launch -q --config_file accel_configs/1gpu.yaml recipes/cram.py \
 		--preset tiny --budget 3m --output-dir runs/demo
 
 test: setup

@@ -78,7 +78,9 @@ class ImplementationOptions:
     micro_batch_size: int | None = option(
         None, "sequences per forward pass per process (default by preset: 128 for crammed-bert)", "--micro-batch-size"
     )
-    precision: str = option("auto", "auto (bf16 where supported, fp16 on older GPUs, fp32 on CPU), bf16, fp16 or fp32")
+    precision: str = option(
+        "auto", "auto (bf16 on GPUs and CPUs that support it, else fp16 on GPUs, fp32 on CPUs), bf16, fp16 or fp32"
+    )
     compile: str = option("auto", "torch.compile: auto (on for GPUs that support it), true or false")
     num_workers: int | None = option(None, "data loader workers (default: 2 on GPU, 0 on CPU)", "--num-workers")
     log_every: int = option(10, "log every N optimizer steps", "--log-every")

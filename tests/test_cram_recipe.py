@@ -96,3 +96,38 @@ def test_bad_input_gets_one_sentence_and_leaves_no_checkpoint(tmp_path, cache_di
     assert completed.stderr.startswith("error: ") and message in completed.stderr
     assert "Traceback" not in completed.stderr and len(completed.stderr.strip().splitlines()) == 1
     assert not output_dir.exists()
+
+
+@pytest.mark.slow
+def test_the_recipe_trains_on_a_set_made_by_prepare_data(tmp_path, cache_dir, english_texts):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "docs.txt").write_text("\n\n".join(english_texts[:400]))
+    prepared = tmp_path / "prepared"
+    subprocess.run(
+        [sys.executable, REPO / "recipes" / "prepare_data.py", corpus, "--output-dir", prepared, "--vocab-size", "2048",
+         "--progress", "false"],
+        env=recipe_env(cache_dir), check=True, capture_output=True, timeout=300,
+    )
+    output_dir = tmp_path / "run"
+    command = [sys.executable, RECIPE, "--preset", "tiny", "--budget", "5s", "--data", prepared,
+               "--micro-batch-size", "8", "--target-batch-size", "16", "--output-dir", output_dir]
+    completed = subprocess.run(command, env=recipe_env(cache_dir), capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    options = json.loads((output_dir / "final" / "cram_options.json").read_text())
+    assert Path(options["resolved"]["data"]) == prepared
+    assert options["resolved"]["vocab_size"] == 2048  # the prepared tokenizer's, not the preset's
+    assert len(AutoTokenizer.from_pretrained(output_dir / "final")) == 2048
+
+
+@pytest.mark.slow
+def test_wandb_offline_run_records_the_training_log(tmp_path, cache_dir):
+    output_dir = tmp_path / "run"
+    env = {**recipe_env(cache_dir), "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
+    command = [sys.executable, RECIPE, "--preset", "tiny", "--budget", "5s", "--output-dir", output_dir,
+               "--report-to", "wandb", "--log-every", "1"]
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1
+    assert b"tokens_per_second" in runs[0].read_bytes()  # the logged rows, not just the run header
