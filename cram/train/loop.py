@@ -97,7 +97,7 @@ def train(
     batch_iter = iter(batches)
     bar = None
     if show_progress and accelerator.is_main_process:
-        bar = tqdm(total=100, unit="%", bar_format="{l_bar}{bar}| {postfix}", dynamic_ncols=True)
+        bar = tqdm(total=100, bar_format="{percentage:3.0f}% |{bar:20}| {desc}", dynamic_ncols=True)
     logged = False
     model.train()
     clock.start()
@@ -173,7 +173,7 @@ def _log_step(
     accelerator.log(row, step=row["step"])
     if bar is not None:
         bar.update(round(100 * clock.progress, 1) - bar.n)
-        bar.set_postfix_str(
-            f"step {row['step']} loss {row['loss']:.3f} tok/s {row['tokens_per_second']:,.0f} "
-            f"lr {lr:.2e} batch {sequences} left {_format_seconds(clock.remaining)}"
+        bar.set_description_str(
+            f"step {row['step']} | loss {row['loss']:.3f} | {row['tokens_per_second']:,.0f} tok/s | lr {lr:.2e} "
+            f"| batch {sequences} | {_format_seconds(clock.remaining)} left"
         )
