@@ -35,6 +35,7 @@ from cram.train.loop import train
 from cram.train.optim import build_adamw
 from cram.train.ramp import full_accumulation, ramp_accumulation
 from cram.train.runtime import enable_tf32, resolve_compile, resolve_precision
+from cram.train.throughput import crammed_bert_flops_per_token
 
 # Batch sizes by preset: (target sequences per optimizer step, micro-batch per process).
 BATCH_DEFAULTS = {"crammed-bert": (8192, 128), "small": (1024, 64), "tiny": (256, 32)}
@@ -181,6 +182,10 @@ def main() -> None:
         accumulation_at=lambda progress: ramp_accumulation(progress, full, training.ramp_end),
         max_grad_norm=training.max_grad_norm,
         log_every=implementation.log_every,
+        flops_per_token=crammed_bert_flops_per_token(
+            config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.vocab_size,
+            config.max_position_embeddings, config.sparse_prediction,
+        ),
     )
 
     # Report: checkpoint, summary.
@@ -199,6 +204,7 @@ def main() -> None:
         "epochs": result.epochs,
         "first_loss": result.first_loss,
         "final_loss": result.final_loss,
+        "mfu": result.history[-1].get("mfu") if result.history else None,
         "checkpoint": str(checkpoint),
         "history": result.history,
     }

@@ -46,9 +46,10 @@ def crammed_run(tmp_path_factory, cache_dir) -> Path:
 @pytest.mark.slow
 def test_a_thirty_second_cram_run_lowers_the_loss_by_a_clear_margin(crammed_run):
     summary = json.loads((crammed_run / "summary.json").read_text())
-    assert summary["optimizer_steps"] >= 10
+    assert summary["optimizer_steps"] >= 5
     assert summary["first_loss"] > 7.5  # ln(4096) ≈ 8.3 at initialisation
-    assert summary["final_loss"] < summary["first_loss"] - 1.0
+    # On a quiet 2-core CPU: about 75 steps and 8.2 → 6.6; step-to-step noise is a few hundredths.
+    assert summary["final_loss"] < summary["first_loss"] - 0.75
     assert summary["tokens"] == summary["sequences"] * 128
     assert 20 <= summary["seconds"] <= 40  # stops when the budget runs out
 

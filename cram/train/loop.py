@@ -15,6 +15,8 @@ import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
+from cram.train.throughput import mfu, peak_flops
+
 
 class Clock(Protocol):
     def start(self) -> None: ...
@@ -90,14 +92,22 @@ def train(
     max_grad_norm: float | None,
     log_every: int = 10,
     show_progress: bool = True,
+    flops_per_token: float | None = None,
 ) -> TrainResult:
-    """Train until `clock.done`; an accumulation cut short by the clock is dropped, not stepped."""
+    """Train until `clock.done`; an accumulation cut short by the clock is dropped, not stepped.
+
+    With `flops_per_token`, logged rows carry MFU on GPUs whose peak is known (`cram.train.throughput`).
+    """
     result = TrainResult()
+    peak = peak_flops(accelerator.device) if flops_per_token else None
     batches = EpochCycler(loader)
     batch_iter = iter(batches)
     bar = None
     if show_progress and accelerator.is_main_process:
         bar = tqdm(total=100, bar_format="{percentage:3.0f}% |{bar:20}| {desc}", dynamic_ncols=True)
+    def mfu_of(tokens_per_second: float) -> float | None:
+        return mfu(tokens_per_second, flops_per_token, peak) if peak else None
+
     logged = False
     model.train()
     clock.start()
@@ -120,9 +130,9 @@ def train(
         result.tokens += sequences * batch_shape[1]
         logged = result.optimizer_steps == 1 or result.optimizer_steps % log_every == 0
         if logged:
-            _log_step(result, loss, lr, sequences, clock, accelerator, bar)
+            _log_step(result, loss, lr, sequences, clock, accelerator, bar, mfu_of)
     if result.optimizer_steps and not logged:  # the final step is always in the history
-        _log_step(result, loss, lr, sequences, clock, accelerator, bar)
+        _log_step(result, loss, lr, sequences, clock, accelerator, bar, mfu_of)
     optimizer.zero_grad(set_to_none=True)
     result.seconds = clock.elapsed
     result.epochs = batches.epochs
@@ -159,16 +169,20 @@ def _accumulate_gradients(
 
 def _log_step(
     result: TrainResult, loss: torch.Tensor, lr: float, sequences: int, clock: Clock, accelerator: Accelerator,
-    bar: tqdm | None,
+    bar: tqdm | None, mfu_of: Callable[[float], float | None],
 ) -> None:
+    tokens_per_second = result.tokens / max(clock.elapsed, 1e-9)
     row = {
         "step": result.optimizer_steps,
         "loss": loss.item(),
         "lr": lr,
         "batch_size": sequences,
-        "tokens_per_second": result.tokens / max(clock.elapsed, 1e-9),
+        "tokens_per_second": tokens_per_second,
         "elapsed": clock.elapsed,
     }
+    utilisation = mfu_of(tokens_per_second)
+    if utilisation is not None:
+        row["mfu"] = utilisation
     result.history.append(row)
     accelerator.log(row, step=row["step"])
     if bar is not None:
@@ -176,4 +190,5 @@ def _log_step(
         bar.set_description_str(
             f"step {row['step']} | loss {row['loss']:.3f} | {row['tokens_per_second']:,.0f} tok/s | lr {lr:.2e} "
             f"| batch {sequences} | {_format_seconds(clock.remaining)} left"
+            + (f" | MFU {utilisation:.1%}" if utilisation is not None else "")
         )

@@ -1,0 +1,36 @@
+"""Model FLOPs per token and MFU."""
+
+import pytest
+import torch
+
+from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
+from cram.train.throughput import crammed_bert_flops_per_token, mfu, peak_flops, peak_flops_for_name
+
+
+def test_flops_per_token_follow_the_models_own_matmul_weights():
+    config = CrammedBertConfig()
+    with torch.device("meta"):
+        model = CrammedBertForMaskedLM(config)
+    layer_matmul_weights = sum(
+        module.weight.numel() for module in model.bert.layers.modules() if isinstance(module, torch.nn.Linear)
+    )
+    attention = 16 * 2 * 128 * 768
+    decoder_on_masked = 0.25 * model.decoder.weight.numel()
+    expected = 6 * (layer_matmul_weights + attention + decoder_on_masked)
+    assert crammed_bert_flops_per_token(16, 768, 3072, 32768, 128, 0.25) == pytest.approx(expected)
+    assert expected == pytest.approx(622_854_144)
+
+
+@pytest.mark.parametrize(
+    "name, tflops",
+    [("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756),
+     ("NVIDIA GeForce RTX 3090", 71), ("NVIDIA RTX A6000", 154.8), ("Tesla T4", None)],
+)
+def test_peak_by_device_name(name, tflops):
+    assert peak_flops_for_name(name) == (tflops * 1e12 if tflops else None)
+
+
+def test_mfu_on_a_known_peak_and_none_on_the_cpu():
+    assert mfu(1000.0, 6e9, 312e12) == pytest.approx(6e12 / 312e12)
+    assert peak_flops(torch.device("cpu")) is None
+    assert mfu(1000.0, 6e9, None) is None
