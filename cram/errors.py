@@ -15,7 +15,8 @@ def run_cli(main: Callable[[], object]) -> None:
     try:
         main()
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        message = str(err).rstrip()
+        print(f"error: {message}{'' if message.endswith('.') else '.'}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 # This script is named like the package it uses: keep its own folder from shadowing `cram` on the import path.
@@ -25,6 +25,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from transformers import HfArgumentParser
 
+from cram.cli import option, parse_strictly
 from cram.data import DataOptions, is_prepared, load_prepared, prepare
 from cram.data.collator import MaskedLMCollator
 from cram.errors import UserError, run_cli
@@ -41,13 +42,6 @@ from cram.train.throughput import crammed_bert_flops_per_token
 BATCH_DEFAULTS = {"crammed-bert": (8192, 128), "small": (1024, 64), "tiny": (256, 32)}
 
 
-def option(default, help: str, alias: str | None = None):  # noqa: A002 - mirrors argparse's keyword
-    metadata = {"help": help, **({"aliases": [alias]} if alias else {})}
-    if isinstance(default, list | dict):
-        return field(default_factory=lambda: default, metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
 @dataclass
 class TrainingOptions:
     """Options that change the result."""
@@ -56,16 +50,14 @@ class TrainingOptions:
     budget: str = option("24h", "wall-clock budget, e.g. 24h, 90m, 30s (compilation counts, data preparation not)")
     data: str = option("embedded", "a text file, a folder of them, a set made by prepare_data.py, or 'embedded'")
     target_batch_size: int | None = option(
-        None, "sequences per optimizer step once ramped up (default by preset: 8192 for crammed-bert)",
-        "--target-batch-size",
-    )
-    ramp_end: float = option(0.6, "budget fraction at which the batch reaches its target size", "--ramp-end")
+        None, "sequences per optimizer step once ramped up; unset means the preset's (8192 for crammed-bert)")
+    ramp_end: float = option(0.6, "budget fraction at which the batch reaches its target size")
     lr: float = option(1e-3, "peak learning rate")
     beta1: float = option(0.9, "AdamW beta1")
     beta2: float = option(0.98, "AdamW beta2")
     eps: float = option(1e-12, "AdamW epsilon")
-    weight_decay: float = option(0.01, "AdamW weight decay (not on biases and norms)", "--weight-decay")
-    max_grad_norm: float = option(0.5, "gradient clipping by global norm (0 turns it off)", "--max-grad-norm")
+    weight_decay: float = option(0.01, "AdamW weight decay (not on biases and norms)")
+    max_grad_norm: float = option(0.5, "gradient clipping by global norm (0 turns it off)")
     seed: int = option(0, "random seed")
 
 
@@ -74,26 +66,22 @@ class ImplementationOptions:
     """Options that change only speed and bookkeeping."""
 
     output_dir: str = option(
-        "runs/cram", "where the run writes; the checkpoint lands in OUTPUT_DIR/final", "--output-dir"
-    )
+        "runs/cram", "where the run writes; the checkpoint lands in OUTPUT_DIR/final")
     micro_batch_size: int | None = option(
-        None, "sequences per forward pass per process (default by preset: 128 for crammed-bert)", "--micro-batch-size"
-    )
+        None, "sequences per forward pass per process; unset means the preset's (128 for crammed-bert)")
     precision: str = option(
         "auto", "auto (bf16 on GPUs and CPUs that support it, else fp16 on GPUs, fp32 on CPUs), bf16, fp16 or fp32"
     )
     compile: str = option("auto", "torch.compile: auto (on for GPUs that support it), true or false")
-    num_workers: int | None = option(None, "data loader workers (default: 2 on GPU, 0 on CPU)", "--num-workers")
-    log_every: int = option(10, "log every N optimizer steps", "--log-every")
-    report_to: str = option("none", "experiment tracker: none or wandb (WANDB_MODE=offline works without network)",
-                            "--report-to")
-    cache_dir: str | None = option(None, "where prepared data is cached (default: $CRAM_CACHE or ~/.cache/cram)",
-                                   "--cache-dir")
+    num_workers: int | None = option(None, "data loader workers; unset means 2 on GPU, 0 on CPU")
+    log_every: int = option(10, "log every N optimizer steps")
+    report_to: str = option("none", "experiment tracker: none or wandb (WANDB_MODE=offline works without network)")
+    cache_dir: str | None = option(None, "where prepared data is cached; unset means $CRAM_CACHE or ~/.cache/cram")
 
 
 def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
     parser = HfArgumentParser((TrainingOptions, ImplementationOptions), description=__doc__.split("\n")[0])
-    training, implementation = parser.parse_args_into_dataclasses()
+    training, implementation = parse_strictly(parser)
     if training.preset not in PRESETS:
         raise UserError(f"unknown preset {training.preset!r}: choose one of {', '.join(PRESETS)}.")
     if training.data != "embedded" and not Path(training.data).exists():
@@ -103,8 +91,10 @@ def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
     if implementation.report_to not in ("none", "wandb"):
         raise UserError(f"unknown tracker {implementation.report_to!r}: choose none or wandb.")
     target, micro = BATCH_DEFAULTS[training.preset]
-    training.target_batch_size = training.target_batch_size or target
-    implementation.micro_batch_size = implementation.micro_batch_size or micro
+    if training.target_batch_size is None:
+        training.target_batch_size = target
+    if implementation.micro_batch_size is None:
+        implementation.micro_batch_size = micro
     return training, implementation
 
 
@@ -113,6 +103,18 @@ def load_data(training: TrainingOptions, config: CrammedBertConfig, cache_dir: s
         return load_prepared(training.data)
     options = DataOptions(sources=[training.data], vocab_size=config.vocab_size, seq_len=config.max_position_embeddings)
     return prepare(options, cache_dir=cache_dir)
+
+
+def describe_data(data) -> str:
+    stats = data.stats
+    line = f"data: {len(data.dataset):,} blocks of {len(data.dataset[0]['input_ids'])} tokens from {data.path}"
+    if "documents_read" in stats:
+        line += (
+            f"; {stats['documents_kept']:,} of {stats['documents_read']:,} documents kept "
+            f"({stats.get('documents_incompressible', 0):,} incompressible, "
+            f"{stats.get('documents_too_short', 0):,} too short, {stats.get('documents_duplicate', 0):,} duplicates)"
+        )
+    return line
 
 
 def main() -> None:
@@ -134,6 +136,8 @@ def main() -> None:
     config = CrammedBertConfig.from_preset(training.preset, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     with accelerator.main_process_first():
         data = load_data(training, config, implementation.cache_dir)
+    if accelerator.is_main_process:
+        print(describe_data(data))
     config.vocab_size = len(data.tokenizer)
     config.max_position_embeddings = len(data.dataset[0]["input_ids"])
     collator = MaskedLMCollator.for_tokenizer(data.tokenizer, mask_fraction=config.sparse_prediction)

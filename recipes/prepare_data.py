@@ -19,6 +19,7 @@ sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Pa
 
 from transformers import HfArgumentParser  # noqa: E402
 
+from cram.cli import parse_strictly  # noqa: E402
 from cram.data import DataOptions, prepare  # noqa: E402
 from cram.errors import run_cli  # noqa: E402
 
@@ -35,7 +36,7 @@ def main() -> None:
     # Parse: sources may be given positionally or as --sources.
     parser = HfArgumentParser((DataOptions, RunOptions))
     parser.add_argument("positional_sources", nargs="*", metavar="SOURCE", help="Files, folders, Hub names, embedded.")
-    data_options, run_options, extra = parser.parse_args_into_dataclasses()
+    data_options, run_options, extra = parse_strictly(parser)
     if extra.positional_sources:
         data_options.sources = extra.positional_sources
 

@@ -47,7 +47,7 @@ def crammed_run(tmp_path_factory, cache_dir) -> Path:
 def test_a_thirty_second_cram_run_lowers_the_loss_by_a_clear_margin(crammed_run):
     summary = json.loads((crammed_run / "summary.json").read_text())
     assert summary["optimizer_steps"] >= 5
-    assert summary["first_loss"] > 7.5  # ln(4096) ≈ 8.3 at initialisation
+    assert summary["first_loss"] > 8.0  # ln(8192) ≈ 9.0 at initialisation
     # On a quiet 2-core CPU: about 75 steps and 8.2 → 6.6; step-to-step noise is a few hundredths.
     assert summary["final_loss"] < summary["first_loss"] - 0.75
     assert summary["tokens"] == summary["sequences"] * 128
@@ -87,6 +87,8 @@ def test_the_checkpoint_is_a_plain_hugging_face_model(crammed_run):
         (["--preset", "enormous"], "unknown preset"),
         (["--budget", "a while"], "cannot read the budget"),
         (["--micro-batch-size", "96"], "does not divide"),
+        (["--micro-batch-size", "0"], "does not divide"),
+        (["--budgett", "3s"], "unknown option --budgett"),
     ],
 )
 def test_bad_input_gets_one_sentence_and_leaves_no_checkpoint(tmp_path, cache_dir, arguments, message):
@@ -132,3 +134,9 @@ def test_wandb_offline_run_records_the_training_log(tmp_path, cache_dir):
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1
     assert b"tokens_per_second" in runs[0].read_bytes()  # the logged rows, not just the run header
+
+
+def test_help_lists_every_option_once():
+    completed = subprocess.run([sys.executable, RECIPE, "--help"], capture_output=True, text=True, timeout=60)
+    assert completed.returncode == 0
+    assert completed.stdout.count("--micro-batch-size") == 1 and "--budget" in completed.stdout

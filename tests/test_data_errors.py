@@ -39,11 +39,17 @@ def bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "empty corpus": ([str(tmp_path / "empty")], "no documents"),
         "not UTF-8": ([str(bad_utf8)], f"{bad_utf8} is not valid UTF-8 at byte {offset}"),
         "vocab too small": (["embedded", "--vocab-size", "5"], "special tokens"),
+        "vocab below the minimum": (["embedded", "--vocab-size", "50"], "at least 100"),
+        "unknown option": (["embedded", "--vocabsize", "100"], "unknown option --vocabsize"),
         "Hub name offline": (["someone/some_corpus"], "could not load 'someone/some_corpus'"),
     }
 
 
-@pytest.mark.parametrize("case", ["missing path", "empty corpus", "not UTF-8", "vocab too small", "Hub name offline"])
+@pytest.mark.parametrize(
+    "case",
+    ["missing path", "empty corpus", "not UTF-8", "vocab too small", "vocab below the minimum", "unknown option",
+     "Hub name offline"],
+)
 def test_bad_input_gives_one_sentence_exit_2_and_no_output(tmp_path, case):
     arguments, expected = bad_inputs(tmp_path)[case]
     output = tmp_path / "out"
@@ -70,7 +76,7 @@ def test_invalid_utf8_in_compressed_file_names_the_decompressed_offset(tmp_path)
 
     path = tmp_path / "bad.txt.gz"
     path.write_bytes(gzip.compress(b"good line\n\xff bad\n"))
-    with pytest.raises(UserError, match=r"bad.txt.gz is not valid UTF-8 at byte 10 of the decompressed text;"):
+    with pytest.raises(UserError, match=r"bad.txt.gz is not valid UTF-8 at byte 10 of the decompressed text:"):
         prepare(DataOptions(sources=[str(path)]), cache_dir=tmp_path / "cache", progress=False)
 
 
@@ -89,3 +95,21 @@ def test_unknown_ordering_and_unsupported_file_type(tmp_path):
     (tmp_path / "notes.docx").write_text("x")
     with pytest.raises(UserError, match="not a supported file type"):
         prepare(DataOptions(sources=[str(tmp_path / "notes.docx")]), cache_dir=tmp_path, progress=False)
+
+
+def test_an_output_folder_holding_other_files_is_refused_and_left_alone(tmp_path, english_texts):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(english_texts[:50]))
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "notes.md").write_text("my notes")
+    result = run_recipe(str(corpus), "--output-dir", str(folder), "--vocab-size", "500", "--force")
+    assert result.returncode == 2
+    assert "is not a prepared dataset" in result.stderr and "Traceback" not in result.stderr
+    assert (folder / "notes.md").read_text() == "my notes" and len(list(folder.iterdir())) == 1
+
+
+def test_help_prints_and_exits_zero():
+    result = subprocess.run([sys.executable, str(RECIPE), "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "keeps a random 30% of its documents" in " ".join(result.stdout.split())

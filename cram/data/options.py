@@ -8,6 +8,8 @@ from cram.errors import UserError
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 ORDERINGS = ("curriculum", "random", "none")
+# WordPiece needs the special tokens plus at least the corpus's characters; below this it cannot learn words.
+MIN_VOCAB_SIZE = 100
 
 
 @dataclass
@@ -16,7 +18,7 @@ class DataOptions:
         default_factory=lambda: ["embedded"],
         metadata={"help": "Text to prepare: files (.txt .jsonl .json .parquet .csv, optionally .gz/.zst), folders, "
                   "Hugging Face Hub dataset names, or 'embedded' (offline docs corpus). Append ':WEIGHT' to "
-                  "scale a source's share: 0.3 keeps a random 30% of its documents, 2 repeats each twice."},
+                  "scale a source's share: 0.3 keeps a random 30%% of its documents, 2 repeats each twice."},
     )
     vocab_size: int = field(default=32768, metadata={"help": "WordPiece vocabulary size, special tokens included."})
     seq_len: int = field(default=128, metadata={"help": "Tokens per packed block."})
@@ -62,10 +64,10 @@ class DataOptions:
         """Raise UserError for options that cannot work, before any work starts."""
         if not self.sources:
             raise UserError("no data sources given; name at least one file, folder, Hub dataset or 'embedded'")
-        if self.vocab_size <= len(SPECIAL_TOKENS):
+        if self.vocab_size < MIN_VOCAB_SIZE:
             raise UserError(
-                f"vocab_size {self.vocab_size} leaves no room beside the {len(SPECIAL_TOKENS)} special tokens; "
-                "pass --vocab_size of at least 100 (32768 is the recipe's)"
+                f"vocab_size {self.vocab_size} leaves too little room beside the {len(SPECIAL_TOKENS)} special tokens "
+                f"and the alphabet; pass --vocab_size of at least {MIN_VOCAB_SIZE} (32768 is the recipe's)"
             )
         if self.seq_len < 2:
             raise UserError(f"seq_len {self.seq_len} is too short; pass --seq_len of at least 2 (128 is the recipe's)")

@@ -64,6 +64,9 @@ def prepare(options: DataOptions, cache_dir: str | Path | None = None, force: bo
             return load_prepared(target)
         raise UserError(f"{target} holds data prepared with other options; pass --force to replace it "
                         "or choose another output folder")
+    if target.exists() and not is_prepared(target) and (not target.is_dir() or any(target.iterdir())):
+        # Only a prepared set (or an empty folder) is ever replaced: never a user's other files.
+        raise UserError(f"{target} exists and is not a prepared dataset; choose a new or empty output folder")
     with atomic_directory(target) as work_dir, _progress_bars(progress):
         stats = _build(options, sources, work_dir, num_proc or os.cpu_count() or 1, progress)
         _write_json(work_dir / OPTIONS_FILE, {"cache_key": key, "options": asdict(options), "sources": identities})

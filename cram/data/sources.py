@@ -131,10 +131,10 @@ def _decoded_lines(path: Path, skip_invalid_utf8: bool, counters: dict) -> Itera
                 yield raw_line.decode("utf-8")
             except UnicodeDecodeError as err:
                 if not skip_invalid_utf8:
-                    where = "of the decompressed text" if path.suffix in COMPRESSIONS else ""
+                    where = " of the decompressed text" if path.suffix in COMPRESSIONS else ""
                     raise UserError(
-                        f"{path} is not valid UTF-8 at byte {offset + err.start} {where}; convert it to UTF-8 "
-                        "or pass --skip_invalid_utf8 to skip such lines".replace("  ", " ")
+                        f"{path} is not valid UTF-8 at byte {offset + err.start}{where}: convert it to UTF-8, "
+                        "or prepare it with recipes/prepare_data.py --skip_invalid_utf8 to skip such lines."
                     ) from None
                 counters["invalid_utf8_skipped"] = counters.get("invalid_utf8_skipped", 0) + 1
             offset += len(raw_line)

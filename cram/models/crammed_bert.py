@@ -35,7 +35,7 @@ PRESETS: dict[str, dict] = {
         vocab_size=32768, hidden_size=768, num_hidden_layers=16, num_attention_heads=12, intermediate_size=3072
     ),
     "small": dict(vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024),
-    "tiny": dict(vocab_size=4096, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
+    "tiny": dict(vocab_size=8192, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
 }
 
 

@@ -186,9 +186,10 @@ def _log_step(
     result.history.append(row)
     accelerator.log(row, step=row["step"])
     if bar is not None:
-        bar.update(round(100 * clock.progress, 1) - bar.n)
         bar.set_description_str(
             f"step {row['step']} | loss {row['loss']:.3f} | {row['tokens_per_second']:,.0f} tok/s | lr {lr:.2e} "
             f"| batch {sequences} | {_format_seconds(clock.remaining)} left"
-            + (f" | MFU {utilisation:.1%}" if utilisation is not None else "")
+            + (f" | MFU {utilisation:.1%}" if utilisation is not None else ""),
+            refresh=False,
         )
+        bar.update(round(100 * clock.progress, 1) - bar.n)  # one redraw per logged step
