@@ -3,7 +3,7 @@
     accelerate launch --config_file accel_configs/1gpu.yaml recipes/cram.py --budget 24h
     accelerate launch --config_file accel_configs/1gpu.yaml recipes/cram.py --preset tiny --budget 3m
 
-The recipe is the paper's (REFERENCE.md section 1): AdamW 1e-3, betas (0.9, 0.98), learning rate and batch size
+The recipe is the paper's: AdamW 1e-3, betas (0.9, 0.98), learning rate and batch size
 tied to the wall clock, clipping 0.5, 25 % masking with sparse prediction. Data preparation is not counted
 against the budget; compilation is. Without a GPU the same command trains on the CPU.
 """

@@ -1,6 +1,6 @@
 """Model FLOPs per token and model FLOPs utilisation (MFU) against the device's peak.
 
-MFU = achieved model FLOP/s ÷ peak dense bf16 FLOP/s (REFERENCE.md section 4). Model FLOPs count the matmuls of
+MFU = achieved model FLOP/s ÷ the vendor's peak dense bf16 FLOP/s. Model FLOPs count the matmuls of
 forward and backward (3 × 2 per multiply-add), so recomputation and padding never inflate them.
 """
 
