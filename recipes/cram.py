@@ -198,7 +198,8 @@ def main() -> None:
     if not accelerator.is_main_process:
         return
     output_dir = Path(implementation.output_dir)
-    checkpoint = save_checkpoint(accelerator.unwrap_model(model), data.tokenizer, resolved, output_dir / "final")
+    model = accelerator.unwrap_model(model, keep_torch_compile=False)
+    checkpoint = save_checkpoint(model, data.tokenizer, resolved, output_dir / "final")
     summary = {
         "optimizer_steps": result.optimizer_steps,
         "sequences": result.sequences,

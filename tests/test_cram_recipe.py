@@ -140,3 +140,18 @@ def test_help_lists_every_option_once():
     completed = subprocess.run([sys.executable, RECIPE, "--help"], capture_output=True, text=True, timeout=60)
     assert completed.returncode == 0
     assert completed.stdout.count("--micro-batch-size") == 1 and "--budget" in completed.stdout
+
+
+@pytest.mark.slow
+def test_a_compiled_run_saves_a_plain_checkpoint(tmp_path, cache_dir):
+    output_dir = tmp_path / "run"
+    command = [sys.executable, RECIPE, "--preset", "tiny", "--budget", "5s", "--compile", "true",
+               "--output-dir", output_dir]
+    completed = subprocess.run(command, env=recipe_env(cache_dir), capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["optimizer_steps"] >= 1
+    options = json.loads((output_dir / "final" / "cram_options.json").read_text())
+    assert options["resolved"]["compile"] is True
+    model = AutoModelForMaskedLM.from_pretrained(output_dir / "final")
+    assert not any(key.startswith("_orig_mod") for key in model.state_dict())

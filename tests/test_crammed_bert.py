@@ -123,3 +123,19 @@ def test_padding_does_not_change_the_unpadded_positions():
         alone = model(input_ids).logits
         with_padding = model(padded, attention_mask=mask).logits[:, :10]
     torch.testing.assert_close(alone, with_padding, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_sparse_prediction_matches_eager():
+    # Under torch.compile the masked positions are found with a static count (the GPU default path).
+    torch.manual_seed(0)
+    model = CrammedBertForMaskedLM(tiny_config()).eval()
+    input_ids = torch.randint(5, 512, (2, 128))
+    labels = torch.full_like(input_ids, -100)
+    masked = torch.rand(2, 128).argsort(dim=1)[:, :32]
+    labels.scatter_(1, masked, input_ids.gather(1, masked))
+    with torch.no_grad():
+        eager = model(input_ids, labels=labels)
+        compiled = torch.compile(model)(input_ids, labels=labels)
+    torch.testing.assert_close(compiled.loss, eager.loss, rtol=1e-4, atol=1e-4)
+    assert compiled.logits.shape == eager.logits.shape == (64, 512)
