@@ -20,13 +20,13 @@ from pathlib import Path
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from transformers import HfArgumentParser
 
 from cram.cli import option, parse_strictly
-from cram.data import DataOptions, is_prepared, load_prepared, prepare
+from cram.data import DataOptions, PreparedData, is_prepared, load_prepared, prepare
 from cram.data.collator import MaskedLMCollator
 from cram.errors import UserError, run_cli
 from cram.models.crammed_bert import PRESETS, CrammedBertConfig, CrammedBertForMaskedLM
@@ -98,14 +98,14 @@ def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
     return training, implementation
 
 
-def load_data(training: TrainingOptions, config: CrammedBertConfig, cache_dir: str | None):
+def load_data(training: TrainingOptions, config: CrammedBertConfig, cache_dir: str | None) -> PreparedData:
     if training.data != "embedded" and is_prepared(training.data):
         return load_prepared(training.data)
     options = DataOptions(sources=[training.data], vocab_size=config.vocab_size, seq_len=config.max_position_embeddings)
     return prepare(options, cache_dir=cache_dir)
 
 
-def describe_data(data) -> str:
+def describe_data(data: PreparedData) -> str:
     stats = data.stats
     line = f"data: {len(data.dataset):,} blocks of {len(data.dataset[0]['input_ids'])} tokens from {data.path}"
     if "documents_read" in stats:
@@ -121,12 +121,12 @@ def main() -> None:
     # Parse: everything a user can get wrong is checked before any work starts.
     training, implementation = parse_options()
     budget_seconds = parse_budget(training.budget)
+    device_type = PartialState().device.type  # what the launch config chose: a GPU, or the CPU
     accelerator = Accelerator(
-        mixed_precision=resolve_precision(implementation.precision, "cuda" if torch.cuda.is_available() else "cpu"),
+        mixed_precision=resolve_precision(implementation.precision, device_type),
         log_with=None if implementation.report_to == "none" else implementation.report_to,
         project_dir=implementation.output_dir,
     )
-    device_type = accelerator.device.type
     use_compile = resolve_compile(implementation.compile, device_type)
     full = full_accumulation(training.target_batch_size, implementation.micro_batch_size, accelerator.num_processes)
     set_seed(training.seed)
