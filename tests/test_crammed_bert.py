@@ -21,6 +21,15 @@ def tiny_config(**overrides) -> CrammedBertConfig:
     )
 
 
+def masked_batch(batch_size: int, vocab_size: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random 128-token blocks with exactly 32 labelled (masked) positions per sequence."""
+    input_ids = torch.randint(5, vocab_size, (batch_size, 128))
+    labels = torch.full_like(input_ids, -100)
+    masked = torch.rand(batch_size, 128).argsort(dim=1)[:, :32]
+    labels.scatter_(1, masked, input_ids.gather(1, masked))
+    return input_ids, labels
+
+
 def test_default_config_has_the_exact_parameter_count():
     with torch.device("meta"):
         model = CrammedBertForMaskedLM(CrammedBertConfig())
@@ -41,10 +50,7 @@ def test_architecture_follows_the_recipe():
 def test_sparse_loss_equals_dense_loss_on_masked_positions():
     torch.manual_seed(0)
     model = CrammedBertForMaskedLM(tiny_config()).eval()
-    input_ids = torch.randint(5, 512, (3, 128))
-    labels = torch.full_like(input_ids, -100)
-    masked = torch.rand(3, 128).argsort(dim=1)[:, :32]
-    labels.scatter_(1, masked, input_ids.gather(1, masked))
+    input_ids, labels = masked_batch(3)
 
     sparse = model(input_ids, labels=labels)
     dense_logits = model(input_ids).logits
@@ -130,10 +136,7 @@ def test_compiled_sparse_prediction_matches_eager():
     # Under torch.compile the masked positions are found with a static count (the GPU default path).
     torch.manual_seed(0)
     model = CrammedBertForMaskedLM(tiny_config()).eval()
-    input_ids = torch.randint(5, 512, (2, 128))
-    labels = torch.full_like(input_ids, -100)
-    masked = torch.rand(2, 128).argsort(dim=1)[:, :32]
-    labels.scatter_(1, masked, input_ids.gather(1, masked))
+    input_ids, labels = masked_batch(2)
     with torch.no_grad():
         eager = model(input_ids, labels=labels)
         compiled = torch.compile(model)(input_ids, labels=labels)

@@ -25,11 +25,10 @@ from tokenizers.models import WordPiece
 from torch.utils.data import DataLoader
 from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling, PreTrainedTokenizerFast
 
+from cram.data import SPECIAL_TOKENS
 from cram.data.collator import MaskedLMCollator
 from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
 from cram.train.optim import build_adamw
-
-SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
 def wordpiece_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
