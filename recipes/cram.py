@@ -21,7 +21,7 @@ sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Pa
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import set_seed
+from accelerate.utils import parse_flag_from_env, set_seed
 from torch.utils.data import DataLoader
 from transformers import HfArgumentParser
 
@@ -51,6 +51,8 @@ class TrainingOptions:
     data: str = option("embedded", "a text file, a folder of them, a set made by prepare_data.py, or 'embedded'")
     target_batch_size: int | None = option(
         None, "sequences per optimizer step once ramped up; unset means the preset's (8192 for crammed-bert)")
+    micro_batch_size: int | None = option(
+        None, "sequences per forward pass per process; unset means the preset's (128 for crammed-bert)")
     ramp_end: float = option(0.6, "budget fraction at which the batch reaches its target size")
     lr: float = option(1e-3, "peak learning rate")
     beta1: float = option(0.9, "AdamW beta1")
@@ -67,8 +69,6 @@ class ImplementationOptions:
 
     output_dir: str = option(
         "runs/cram", "where the run writes; the checkpoint lands in OUTPUT_DIR/final")
-    micro_batch_size: int | None = option(
-        None, "sequences per forward pass per process; unset means the preset's (128 for crammed-bert)")
     precision: str = option(
         "auto", "auto (bf16 on GPUs and CPUs that support it, else fp16 on GPUs, fp32 on CPUs), bf16, fp16 or fp32"
     )
@@ -93,8 +93,8 @@ def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
     target, micro = BATCH_DEFAULTS[training.preset]
     if training.target_batch_size is None:
         training.target_batch_size = target
-    if implementation.micro_batch_size is None:
-        implementation.micro_batch_size = micro
+    if training.micro_batch_size is None:
+        training.micro_batch_size = micro
     return training, implementation
 
 
@@ -121,20 +121,24 @@ def main() -> None:
     # Parse: everything a user can get wrong is checked before any work starts.
     training, implementation = parse_options()
     budget_seconds = parse_budget(training.budget)
-    device_type = PartialState().device.type  # what the launch config chose: a GPU, or the CPU
+    # The CPU when the launch config asks for it or there is no GPU; `cpu=True` also lets torchrun start
+    # several CPU processes (MULTI_CPU, gloo) instead of one.
+    use_cpu = not torch.cuda.is_available() or parse_flag_from_env("ACCELERATE_USE_CPU")
+    device_type = PartialState(cpu=use_cpu).device.type
     accelerator = Accelerator(
+        cpu=use_cpu,
         mixed_precision=resolve_precision(implementation.precision, device_type),
         log_with=None if implementation.report_to == "none" else implementation.report_to,
         project_dir=implementation.output_dir,
     )
     use_compile = resolve_compile(implementation.compile, device_type)
-    full = full_accumulation(training.target_batch_size, implementation.micro_batch_size, accelerator.num_processes)
-    set_seed(training.seed)
+    full = full_accumulation(training.target_batch_size, training.micro_batch_size, accelerator.num_processes)
+    set_seed(training.seed, device_specific=True)  # each process masks different positions
     enable_tf32()
 
     # Build: data (cached, not counted against the budget), model, optimizer.
     config = CrammedBertConfig.from_preset(training.preset, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    with accelerator.main_process_first():
+    with accelerator.local_main_process_first():
         data = load_data(training, config, implementation.cache_dir)
     if accelerator.is_main_process:
         print(describe_data(data))
@@ -146,7 +150,7 @@ def main() -> None:
         num_workers = 2 if device_type == "cuda" else 0  # on the CPU, workers would take cores from the model
     loader = DataLoader(
         data.dataset.with_format("torch", columns=["input_ids"]),
-        batch_size=implementation.micro_batch_size,
+        batch_size=training.micro_batch_size,
         shuffle=False,  # the prepared order (e.g. the length curriculum) is part of the recipe
         drop_last=True,
         collate_fn=collator,
@@ -156,7 +160,7 @@ def main() -> None:
     if len(loader) == 0:
         raise UserError(
             f"the data has {len(data.dataset)} blocks, fewer than one micro-batch of "
-            f"{implementation.micro_batch_size}: give more text or a smaller --micro-batch-size."
+            f"{training.micro_batch_size}: give more text or a smaller --micro-batch-size."
         )
     model = CrammedBertForMaskedLM(config)
     optimizer = build_adamw(model, training.lr, (training.beta1, training.beta2), training.eps, training.weight_decay)
@@ -216,7 +220,7 @@ def main() -> None:
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(
         f"\ntrained {result.optimizer_steps} steps, {result.tokens:,} tokens in {result.seconds:.0f} s "
-        f"({result.tokens_per_second:,.0f} tokens/s, {result.epochs} full passes over the data); "
+        f"({result.tokens_per_second:,.0f} tokens/s, {result.epochs} full pass(es) over the data); "
         f"loss {result.first_loss:.3f} -> {result.final_loss:.3f}\n"
         f"checkpoint: {checkpoint}\n"
         "load it with:\n"

@@ -142,3 +142,17 @@ def test_compiled_sparse_prediction_matches_eager():
         compiled = torch.compile(model)(input_ids, labels=labels)
     torch.testing.assert_close(compiled.loss, eager.loss, rtol=1e-4, atol=1e-4)
     assert compiled.logits.shape == eager.logits.shape == (64, 512)
+
+
+@pytest.mark.parametrize("seq_len", [126, 128, 130])
+def test_static_count_matches_the_collators_per_sequence_count(monkeypatch, seq_len):
+    # The static path normally runs only under torch.compile; force it to check the count for any length.
+    from cram.data.collator import MaskedLMCollator
+
+    collator = MaskedLMCollator(4, 512, [0, 1, 2, 3, 4])
+    batch = collator(torch.randint(5, 512, (3, seq_len)))
+    model = CrammedBertForMaskedLM(tiny_config(max_position_embeddings=seq_len))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    positions = model.masked_positions(batch["labels"])
+    assert len(positions) == 3 * collator.masked_count(seq_len)
+    assert (batch["labels"].reshape(-1)[positions] != -100).all()

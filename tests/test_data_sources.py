@@ -141,3 +141,21 @@ def test_pretokenized_input_ids_are_packed_without_retokenizing(tmp_path, englis
     blocks = len(stream) // 16
     assert np.array_equal(np.array(prepared.dataset["input_ids"]), stream[:blocks * 16].reshape(blocks, 16))
     assert prepared.tokenizer.get_vocab() == tokenizer.get_vocab()
+
+
+def test_max_documents_counts_documents_the_filter_drops(tmp_path, english_texts):
+    texts = [one_line(text) for text in english_texts[:100] if len(one_line(text)) >= 50]
+    texts[24] = "short"  # the 25th document is dropped as too short: reading must still stop there
+    write_jsonl(tmp_path / "a.jsonl", texts)
+    prepared = prepare(
+        DataOptions(sources=[str(tmp_path / "a.jsonl")], vocab_size=300, seq_len=16, max_documents=25,
+                    trash_cutoff=0),
+        cache_dir=tmp_path / "cache", num_proc=1, progress=False,
+    )
+    assert prepared.stats["documents_read"] == 25
+    assert prepared.stats["documents_too_short"] == 1
+
+
+def test_null_text_in_parquet_counts_as_an_empty_document(tmp_path):
+    pq.write_table(pa.table({"text": ["a real sentence about tokenizers.", None]}), tmp_path / "a.parquet")
+    assert read_back(tmp_path / "a.parquet") == [{"text": "a real sentence about tokenizers."}, {"text": ""}]

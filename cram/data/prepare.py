@@ -6,6 +6,7 @@ Every stage streams through Arrow files on disk, so peak memory does not grow wi
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -24,7 +25,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from cram.data.cache import TMP_MARKER, atomic_directory, cache_key, default_cache_dir
 from cram.data.clean import DocumentFilter, WeightSampler
 from cram.data.options import DataOptions
-from cram.data.pack import BlockWriter, DocumentTokenizer, block_order, token_dtype
+from cram.data.pack import BlockWriter, DocumentTokenizer, block_order, pack_streams, token_dtype
 from cram.data.sources import Source, iter_records, resolve_sources, source_identity
 from cram.data.tokenizer import sentence_end_ids, train_wordpiece
 from cram.errors import UserError
@@ -126,9 +127,7 @@ def _build(options: DataOptions, sources: list[Source], out_dir: Path, num_proc:
         streams = _tokenized_streams(documents, tokenizer, options, dtype, work_dir, num_proc, stats)
     else:
         streams = _pretokenized_streams(documents, stats)
-    for tokens in streams:
-        writer.add(tokens)
-    stats["tokens_dropped_remainder"] = writer.close()
+    stats["tokens_dropped_remainder"] = pack_streams(streams, writer)
     stats["blocks"] = writer.blocks
     stats["tokens"] = writer.blocks * options.seq_len + stats["tokens_dropped_remainder"]
     stats["tokens_per_character"] = round(stats["tokens"] / max(stats["characters"], 1), 4)
@@ -162,13 +161,14 @@ def _write_documents(sources: list[Source], options: DataOptions, path: Path, st
     column = ""
     writer = None
     buffer: list = []
-    read = kept = characters = 0
+    read = kept = 0
     with open(path, "wb") as file, tqdm(desc="Reading documents", unit=" docs", disable=not progress) as bar:
         for index, source in enumerate(sources):
             sampler = WeightSampler(source.weight, options.seed, index)
             records = iter_records(source, options.text_column, options.hub_config, options.hub_split,
                                    options.skip_invalid_utf8, counters)
-            for count, record in enumerate(records, start=1):
+            # The cap counts documents read, filtered or not, so a streamed source stops after max_documents.
+            for record in itertools.islice(records, options.max_documents or None):
                 (record_column, value), = record.items()
                 if column and record_column != column:
                     raise UserError("sources mix raw text with pre-tokenized input_ids; prepare them separately")
@@ -180,12 +180,9 @@ def _write_documents(sources: list[Source], options: DataOptions, path: Path, st
                 copies = sampler.copies()
                 buffer += [value] * copies
                 kept += copies
-                characters += copies * len(value) if column == "text" else 0
                 if len(buffer) >= DOCUMENT_BATCH:
                     writer = _write_batch(writer, file, column, buffer)
                     buffer = []
-                if count == options.max_documents:
-                    break
         if buffer:
             writer = _write_batch(writer, file, column, buffer)
         if writer is not None:
@@ -196,7 +193,6 @@ def _write_documents(sources: list[Source], options: DataOptions, path: Path, st
         documents_duplicate=document_filter.duplicates,
         invalid_utf8_skipped=counters["invalid_utf8_skipped"],
         documents_after_cleaning=kept,
-        characters=characters,
     )
     if kept == 0:
         raise UserError(f"the sources hold no documents of at least {options.min_chars} characters "
@@ -255,6 +251,7 @@ def _pretokenized_streams(documents: datasets.Dataset, stats: dict) -> Iterator[
     """Pre-tokenized rows already carry their separators; they are only re-cut to seq_len."""
     stats["documents_incompressible"] = 0
     stats["documents_kept"] = len(documents)
+    stats["characters"] = 0  # no text was seen
     for batch in documents.data.to_batches():
         yield batch.column(0).flatten().to_numpy()
 

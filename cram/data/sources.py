@@ -220,7 +220,7 @@ def _parquet_records(path: Path, text_column: str) -> Iterator[dict]:
             raise UserError(f"{path} has no {text_column!r} column; pass --text_column naming the text column")
         for batch in file.iter_batches(columns=[column], batch_size=1024):
             for value in batch.column(0).to_pylist():
-                yield {column: value}
+                yield _checked({column: value}, path, text_column)
 
 
 def _checked(record: object, path: Path | str, text_column: str) -> dict:

@@ -246,8 +246,9 @@ class CrammedBertForMaskedLM(CrammedBertPreTrainedModel):
         """Flat indices of the positions to predict."""
         is_masked = labels.reshape(-1) != IGNORE_INDEX
         if torch.compiler.is_compiling():
-            # A static count keeps shapes fixed for the compiler: the collator masks exactly this many.
-            count = round(self.config.sparse_prediction * is_masked.numel())
+            # A static count keeps shapes fixed for the compiler: the collator masks exactly this many per sequence.
+            batch_size, seq_len = labels.shape
+            count = batch_size * round(self.config.sparse_prediction * seq_len)
             return torch.argsort(is_masked.int(), descending=True, stable=True)[:count]
         return is_masked.nonzero().squeeze(1)
 

@@ -25,9 +25,6 @@ class Clock(Protocol):
     def progress(self) -> float: ...
 
     @property
-    def done(self) -> bool: ...
-
-    @property
     def elapsed(self) -> float: ...
 
     @property
@@ -94,7 +91,11 @@ def train(
     show_progress: bool = True,
     flops_per_token: float | None = None,
 ) -> TrainResult:
-    """Train until `clock.done`; an accumulation cut short by the clock is dropped, not stepped.
+    """Train until the clock's progress reaches 1, checked between optimizer steps.
+
+    Every process takes rank 0's reading of the clock, so all of them step, ramp and stop together (a process
+    that stopped one micro-batch early would leave the others waiting in a gradient all-reduce). The last step
+    may end up to one step's time past the budget.
 
     With `flops_per_token`, logged rows carry MFU on GPUs whose peak is known (`cram.train.throughput`).
     """
@@ -111,15 +112,11 @@ def train(
     logged = False
     model.train()
     clock.start()
-    while not clock.done:
-        progress = clock.progress
+    while (progress := _synchronised_progress(clock, accelerator)) < 1.0:
         lr = peak_lr * lr_shape(progress)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        accumulated = _accumulate_gradients(model, batch_iter, accelerator, clock, accumulation_at(progress))
-        if accumulated is None:
-            break  # the clock ran out inside an accumulation: drop it rather than step on part of a batch
-        loss, batch_shape = accumulated
+        loss, batch_shape = _accumulate_gradients(model, batch_iter, accelerator, accumulation_at(progress))
         if max_grad_norm:
             accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
         optimizer.step()
@@ -143,19 +140,24 @@ def train(
     return result
 
 
+def _synchronised_progress(clock: Clock, accelerator: Accelerator) -> float:
+    """The clock's progress as rank 0 reads it, on every process."""
+    progress = torch.tensor([clock.progress], dtype=torch.float64, device=accelerator.device)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.broadcast(progress, src=0)
+    return progress.item()
+
+
 def _accumulate_gradients(
-    model: torch.nn.Module, batch_iter: Iterator[dict], accelerator: Accelerator, clock: Clock, accumulation: int
-) -> tuple[torch.Tensor, tuple[int, int]] | None:
+    model: torch.nn.Module, batch_iter: Iterator[dict], accelerator: Accelerator, accumulation: int
+) -> tuple[torch.Tensor, tuple[int, int]]:
     """Backward over `accumulation` micro-batches; the mean loss and the summed (sequences, seq_len) shape.
 
-    Gradients are synchronised across processes only on the last micro-batch. Returns None when the clock
-    runs out first.
+    Gradients are synchronised across processes only on the last micro-batch.
     """
     loss_sum = torch.zeros((), device=accelerator.device)
     sequences = seq_len = 0
     for micro_step in range(accumulation):
-        if clock.done:
-            return None
         batch = next(batch_iter)
         is_last = micro_step == accumulation - 1
         with contextlib.nullcontext() if is_last else accelerator.no_sync(model):
