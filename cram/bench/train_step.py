@@ -86,6 +86,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per model")
     parser.add_argument("--precision", default="fp32,bf16", help="comma-separated: fp32, bf16 (autocast)")
     args = parser.parse_args()
+    if args.steps < 1 or args.warmup < 0 or args.batch < 1:
+        parser.error("--steps and --batch must be at least 1, --warmup at least 0")
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
