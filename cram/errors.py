@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
@@ -11,12 +12,16 @@ class UserError(Exception):
 
 
 def run_cli(main: Callable[[], object]) -> None:
-    """Run a recipe's `main`, turning a `UserError` into one line on stderr and exit status 2."""
+    """Run a recipe's `main`, turning a `UserError` into one line on stderr and exit status 2.
+
+    Under a multi-process launch every process meets the same bad input; only rank 0 prints it.
+    """
     try:
         main()
     except UserError as err:
         message = str(err).rstrip()
-        print(f"error: {message}{'' if message.endswith('.') else '.'}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {message}{'' if message.endswith('.') else '.'}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

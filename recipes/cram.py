@@ -5,7 +5,8 @@
 
 The recipe is the paper's: AdamW 1e-3, betas (0.9, 0.98), learning rate and batch size
 tied to the wall clock, clipping 0.5, 25 % masking with sparse prediction. Data preparation is not counted
-against the budget; compilation is. Without a GPU the same command trains on the CPU.
+against the budget; compilation is. Without a GPU the same command trains on the CPU. The launch config alone
+chooses one process, DDP, DeepSpeed ZeRO-1/2/3 (with offload) or FSDP; a preempted run continues with --resume auto.
 """
 
 from __future__ import annotations
@@ -20,9 +21,7 @@ from pathlib import Path
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch
-from accelerate import Accelerator, PartialState
-from accelerate.utils import parse_flag_from_env, set_seed
-from torch.utils.data import DataLoader
+from accelerate.utils import set_seed
 from transformers import HfArgumentParser
 
 from cram.cli import option, parse_strictly
@@ -30,13 +29,31 @@ from cram.data import DataOptions, PreparedData, is_prepared, load_prepared, pre
 from cram.data.collator import MaskedLMCollator
 from cram.errors import UserError, run_cli
 from cram.models.crammed_bert import PRESETS, CrammedBertConfig, CrammedBertForMaskedLM
-from cram.train.budget import BudgetClock, budget_triangle, parse_budget
-from cram.train.checkpoint import save_checkpoint
+from cram.train.budget import BudgetClock, StepClock, budget_triangle, parse_budget
+from cram.train.checkpoint import (
+    Checkpointer,
+    check_same_run,
+    complete_checkpoints,
+    find_checkpoint,
+    load_checkpoint,
+    read_checkpoint,
+    save_checkpoint,
+)
 from cram.train.loop import train
 from cram.train.optim import build_adamw
+from cram.train.preemption import Preemption
 from cram.train.ramp import full_accumulation, ramp_accumulation
-from cram.train.runtime import enable_tf32, resolve_compile, resolve_precision
+from cram.train.runtime import (
+    build_accelerator,
+    configure_deepspeed,
+    enable_tf32,
+    parameter_counts,
+    resolve_compile,
+)
+from cram.train.sampling import stream_loader
+from cram.train.state import TrainState
 from cram.train.throughput import crammed_bert_flops_per_token
+from cram.train.trackers import TRACKERS, flatten_config
 
 # Batch sizes by preset: (target sequences per optimizer step, micro-batch per process).
 BATCH_DEFAULTS = {"crammed-bert": (8192, 128), "small": (1024, 64), "tiny": (256, 32)}
@@ -48,6 +65,8 @@ class TrainingOptions:
 
     preset: str = option("crammed-bert", f"model size: {', '.join(PRESETS)}")
     budget: str = option("24h", "wall-clock budget, e.g. 24h, 90m, 30s (compilation counts, data preparation not)")
+    max_steps: int | None = option(
+        None, "a budget of N optimizer steps instead of the wall clock: the schedule's p is step / N")
     data: str = option("embedded", "a text file, a folder of them, a set made by prepare_data.py, or 'embedded'")
     target_batch_size: int | None = option(
         None, "sequences per optimizer step once ramped up; unset means the preset's (8192 for crammed-bert)")
@@ -59,23 +78,36 @@ class TrainingOptions:
     beta2: float = option(0.98, "AdamW beta2")
     eps: float = option(1e-12, "AdamW epsilon")
     weight_decay: float = option(0.01, "AdamW weight decay (not on biases and norms)")
+    optimizer: str = option("adamw", "adamw, or adamw-8bit (bitsandbytes: 8-bit optimizer state, a quarter the memory)")
     max_grad_norm: float = option(0.5, "gradient clipping by global norm (0 turns it off)")
     seed: int = option(0, "random seed")
 
 
 @dataclass
 class ImplementationOptions:
-    """Options that change only speed and bookkeeping."""
+    """Options that change only speed, memory and bookkeeping."""
 
     output_dir: str = option(
-        "runs/cram", "where the run writes; the checkpoint lands in OUTPUT_DIR/final")
+        "runs/cram", "where the run writes: the model lands in OUTPUT_DIR/final, training states in checkpoints/")
     precision: str = option(
         "auto", "auto (bf16 on GPUs and CPUs that support it, else fp16 on GPUs, fp32 on CPUs), bf16, fp16 or fp32"
     )
     compile: str = option("auto", "torch.compile: auto (on for GPUs that support it), true or false")
+    activation_checkpointing: bool = option(False, "recompute each layer in the backward pass: less memory, slower")
     num_workers: int | None = option(None, "data loader workers; unset means 2 on GPU, 0 on CPU")
     log_every: int = option(10, "log every N optimizer steps")
-    report_to: str = option("none", "experiment tracker: none or wandb (WANDB_MODE=offline works without network)")
+    report_to: str = option(
+        "none", f"experiment tracker: {', '.join(TRACKERS)} (WANDB_MODE=offline works without network)")
+    checkpoint_every: int = option(0, "save a resumable training state every N optimizer steps (0: off)")
+    checkpoint_every_minutes: float = option(30.0, "save a resumable training state every N minutes (0: off)")
+    keep_checkpoints: int = option(2, "how many training states to keep (the newest)")
+    resume: str = option(
+        "none", "auto (the newest complete state in OUTPUT_DIR/checkpoints, if any), a step-N folder, or none")
+    push_to_hub: str | None = option(
+        None, "ORG/NAME: push the final model, tokenizer, options and a model card to the Hugging Face Hub")
+    hub_public: bool = option(False, "make the Hub repository public (private by default)")
+    push_checkpoints: bool = option(
+        False, "also push each periodic checkpoint's model to the Hub, as the revision step-N")
     cache_dir: str | None = option(None, "where prepared data is cached; unset means $CRAM_CACHE or ~/.cache/cram")
 
 
@@ -88,8 +120,16 @@ def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
         raise UserError(
             f"the data path {training.data} does not exist: give an existing file or folder, or 'embedded'."
         )
-    if implementation.report_to not in ("none", "wandb"):
-        raise UserError(f"unknown tracker {implementation.report_to!r}: choose none or wandb.")
+    if training.max_steps is not None and training.max_steps <= 0:
+        raise UserError(f"--max-steps {training.max_steps} is not a positive number of steps: give one, e.g. 1000.")
+    if training.optimizer not in ("adamw", "adamw-8bit"):
+        raise UserError(f"unknown optimizer {training.optimizer!r}: choose adamw or adamw-8bit.")
+    if implementation.report_to not in TRACKERS:
+        raise UserError(f"unknown tracker {implementation.report_to!r}: choose one of {', '.join(TRACKERS)}.")
+    if implementation.checkpoint_every < 0 or implementation.checkpoint_every_minutes < 0:
+        raise UserError("checkpoint intervals cannot be negative: give 0 to turn one off.")
+    if implementation.keep_checkpoints < 1:
+        raise UserError("--keep-checkpoints must be at least 1: the newest state is what a resumed run needs.")
     target, micro = BATCH_DEFAULTS[training.preset]
     if training.target_batch_size is None:
         training.target_batch_size = target
@@ -117,23 +157,27 @@ def describe_data(data: PreparedData) -> str:
     return line
 
 
+
 def main() -> None:
-    # Parse: everything a user can get wrong is checked before any work starts.
+    # Parse: everything a user can get wrong is checked before any step runs.
     training, implementation = parse_options()
     budget_seconds = parse_budget(training.budget)
-    # The CPU when the launch config asks for it or there is no GPU; `cpu=True` also lets torchrun start
-    # several CPU processes (MULTI_CPU, gloo) instead of one.
-    use_cpu = not torch.cuda.is_available() or parse_flag_from_env("ACCELERATE_USE_CPU")
-    device_type = PartialState(cpu=use_cpu).device.type
-    accelerator = Accelerator(
-        cpu=use_cpu,
-        mixed_precision=resolve_precision(implementation.precision, device_type),
-        log_with=None if implementation.report_to == "none" else implementation.report_to,
-        project_dir=implementation.output_dir,
+    output_dir = Path(implementation.output_dir)
+    accelerator = build_accelerator(
+        implementation.precision, None if implementation.report_to == "none" else implementation.report_to,
+        str(output_dir),
     )
+    device_type = accelerator.device.type
     use_compile = resolve_compile(implementation.compile, device_type)
     full = full_accumulation(training.target_batch_size, training.micro_batch_size, accelerator.num_processes)
-    set_seed(training.seed, device_specific=True)  # each process masks different positions
+    configure_deepspeed(accelerator, training.micro_batch_size, training.target_batch_size, training.max_grad_norm)
+    resume_from = find_checkpoint(implementation.resume, output_dir / "checkpoints")
+    if implementation.resume == "none" and complete_checkpoints(output_dir / "checkpoints"):
+        raise UserError(
+            f"{output_dir} already holds checkpoints of a run: continue it with --resume auto, "
+            "or start a new run in another --output-dir."
+        )
+    set_seed(training.seed)  # the same initial model on every process; masks depend on each sequence's serial
     enable_tf32()
 
     # Build: data (cached, not counted against the budget), model, optimizer.
@@ -144,84 +188,129 @@ def main() -> None:
         print(describe_data(data))
     config.vocab_size = len(data.tokenizer)
     config.max_position_embeddings = len(data.dataset[0]["input_ids"])
-    collator = MaskedLMCollator.for_tokenizer(data.tokenizer, mask_fraction=config.sparse_prediction)
-    num_workers = implementation.num_workers
-    if num_workers is None:
-        num_workers = 2 if device_type == "cuda" else 0  # on the CPU, workers would take cores from the model
-    loader = DataLoader(
-        data.dataset.with_format("torch", columns=["input_ids"]),
-        batch_size=training.micro_batch_size,
-        shuffle=False,  # the prepared order (e.g. the length curriculum) is part of the recipe
-        drop_last=True,
-        collate_fn=collator,
-        num_workers=num_workers,
-        pin_memory=device_type == "cuda",
-    )
-    if len(loader) == 0:
+    if len(data.dataset) < training.micro_batch_size:
         raise UserError(
             f"the data has {len(data.dataset)} blocks, fewer than one micro-batch of "
             f"{training.micro_batch_size}: give more text or a smaller --micro-batch-size."
         )
+    run = {  # what a resumed run must share with the run that wrote the checkpoint
+        "training": dataclasses.asdict(training),
+        "data": {"set": data.path.name, "blocks": len(data.dataset), "vocab_size": config.vocab_size},
+        "launch": {"distributed_type": str(accelerator.distributed_type), "num_processes": accelerator.num_processes},
+    }
+    if resume_from is not None:
+        check_same_run(read_checkpoint(resume_from)[1], run, resume_from)
     model = CrammedBertForMaskedLM(config)
-    optimizer = build_adamw(model, training.lr, (training.beta1, training.beta2), training.eps, training.weight_decay)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    if implementation.activation_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    optimizer = build_adamw(
+        model, training.lr, (training.beta1, training.beta2), training.eps, training.weight_decay,
+        eight_bit=training.optimizer == "adamw-8bit",
+    )
+    model, optimizer = accelerator.prepare(model, optimizer)
     if use_compile:
         model = torch.compile(model)
+    state = TrainState()
+    if resume_from is not None:
+        state = load_checkpoint(accelerator, resume_from)
+        if accelerator.is_main_process:
+            print(f"resuming from {resume_from}: step {state.optimizer_steps}, {state.elapsed:.0f} s of training done")
+    num_workers = implementation.num_workers
+    if num_workers is None:
+        num_workers = 2 if device_type == "cuda" else 0  # on the CPU, workers would take cores from the model
+    batches = iter(stream_loader(
+        data.dataset, MaskedLMCollator.for_tokenizer(data.tokenizer, config.sparse_prediction, seed=training.seed),
+        start=state.sequences, micro_batch_size=training.micro_batch_size,
+        process_index=accelerator.process_index, num_processes=accelerator.num_processes,
+        num_workers=num_workers, pin_memory=device_type == "cuda",
+    ))
+    parameters, parameters_held = parameter_counts(model)
     resolved = {
         "training": dataclasses.asdict(training),
         "implementation": dataclasses.asdict(implementation),
         "resolved": {
             "budget_seconds": budget_seconds,
+            "max_steps": training.max_steps,
             "mixed_precision": accelerator.mixed_precision,
             "compile": use_compile,
+            "distributed_type": str(accelerator.distributed_type),
             "num_processes": accelerator.num_processes,
+            "device": device_name(accelerator.device),
             "full_accumulation": full,
             "vocab_size": config.vocab_size,
+            "parameters": parameters,
+            "parameters_held_by_rank0": parameters_held,
             "data": str(data.path),
         },
     }
-    accelerator.init_trackers("cram", config=resolved)
+    accelerator.init_trackers("cram", config=flatten_config(resolved))
+    flops_per_token = crammed_bert_flops_per_token(
+        config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.vocab_size,
+        config.max_position_embeddings, config.sparse_prediction,
+    )
 
-    # Run: until the budget's wall clock runs out.
-    result = train(
-        model, optimizer, loader, accelerator, BudgetClock(budget_seconds),
+    # Run: until the budget runs out or a scheduler's SIGTERM asks the run to stop.
+    checkpointer = Checkpointer(
+        accelerator, output_dir / "checkpoints", run,
+        every_steps=implementation.checkpoint_every,
+        every_seconds=implementation.checkpoint_every_minutes * 60,
+        keep=implementation.keep_checkpoints,
+    )
+    preemption = Preemption().install()
+    clock = StepClock(training.max_steps) if training.max_steps else BudgetClock(budget_seconds)
+    finished = train(
+        model, optimizer, batches, accelerator, clock, state,
         peak_lr=training.lr,
         lr_shape=budget_triangle,
         accumulation_at=lambda progress: ramp_accumulation(progress, full, training.ramp_end),
         max_grad_norm=training.max_grad_norm,
         log_every=implementation.log_every,
-        flops_per_token=crammed_bert_flops_per_token(
-            config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.vocab_size,
-            config.max_position_embeddings, config.sparse_prediction,
-        ),
+        flops_per_token=flops_per_token,
+        checkpointer=checkpointer,
+        preemption=preemption,
     )
+    if not finished:
+        if checkpointer.last_saved_step != state.optimizer_steps:
+            checkpointer.save(state)
+        accelerator.end_training()
+        if accelerator.is_main_process:
+            print(
+                f"\nstopped by signal {preemption.signal} at step {state.optimizer_steps}: the training state is in "
+                f"{output_dir / 'checkpoints'}; continue with the same command and --resume auto",
+                file=sys.stderr,
+            )
+        sys.exit(preemption.exit_status)
 
-    # Report: checkpoint, summary.
-    accelerator.wait_for_everyone()
+    # Report: checkpoint, summary, Hub.
+    state_dict = accelerator.get_state_dict(model)  # gathers sharded weights (ZeRO-3, FSDP) on every process
     accelerator.end_training()
     if not accelerator.is_main_process:
         return
-    output_dir = Path(implementation.output_dir)
     model = accelerator.unwrap_model(model, keep_torch_compile=False)
-    checkpoint = save_checkpoint(model, data.tokenizer, resolved, output_dir / "final")
+    checkpoint = save_checkpoint(model, data.tokenizer, resolved, output_dir / "final", state_dict=state_dict)
     summary = {
-        "optimizer_steps": result.optimizer_steps,
-        "sequences": result.sequences,
-        "tokens": result.tokens,
-        "seconds": round(result.seconds, 1),
-        "tokens_per_second": round(result.tokens_per_second, 1),
-        "epochs": result.epochs,
-        "first_loss": result.first_loss,
-        "final_loss": result.final_loss,
-        "mfu": result.history[-1].get("mfu") if result.history else None,
+        "optimizer_steps": state.optimizer_steps,
+        "sequences": state.sequences,
+        "tokens": state.tokens,
+        "seconds": round(state.elapsed, 1),
+        "tokens_per_second": round(state.tokens_per_second, 1),
+        "epochs": state.sequences // len(data.dataset),
+        "first_loss": state.first_loss,
+        "final_loss": state.final_loss,
+        "flops_per_token": flops_per_token,
+        "mfu": state.history[-1].get("mfu"),
+        "peak_memory_gib": max(row["peak_memory_gib"] for row in state.history),
+        "parameters": parameters,
+        "parameters_held_by_rank0": parameters_held,
+        "resumed_from": str(resume_from) if resume_from else None,
         "checkpoint": str(checkpoint),
-        "history": result.history,
+        "history": state.history,
     }
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(
-        f"\ntrained {result.optimizer_steps} steps, {result.tokens:,} tokens in {result.seconds:.0f} s "
-        f"({result.tokens_per_second:,.0f} tokens/s, {result.epochs} full pass(es) over the data); "
-        f"loss {result.first_loss:.3f} -> {result.final_loss:.3f}\n"
+        f"\ntrained {state.optimizer_steps} steps, {state.tokens:,} tokens in {state.elapsed:.0f} s "
+        f"({state.tokens_per_second:,.0f} tokens/s, {summary['epochs']} full pass(es) over the data); "
+        f"loss {state.first_loss:.3f} -> {state.final_loss:.3f}\n"
         f"checkpoint: {checkpoint}\n"
         "load it with:\n"
         "    import cram  # registers the crammed-BERT classes with transformers\n"
@@ -229,6 +318,10 @@ def main() -> None:
         f"    model = AutoModelForMaskedLM.from_pretrained({str(checkpoint)!r})\n"
         f"    tokenizer = AutoTokenizer.from_pretrained({str(checkpoint)!r})"
     )
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
 
 
 if __name__ == "__main__":

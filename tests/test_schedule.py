@@ -3,7 +3,7 @@
 import pytest
 
 from cram.errors import UserError
-from cram.train.budget import BudgetClock, budget_triangle, parse_budget
+from cram.train.budget import BudgetClock, StepClock, budget_triangle, parse_budget
 from cram.train.ramp import full_accumulation, ramp_accumulation
 
 
@@ -52,6 +52,19 @@ def test_micro_batch_that_does_not_divide_the_target_is_a_user_error():
 
 def test_clock_progress():
     clock = BudgetClock(1000.0)
-    assert clock.progress == 0.0 and not clock.done
+    assert clock.progress() == 0.0
     clock.start()
-    assert 0.0 <= clock.progress < 0.01 and clock.remaining > 990
+    assert 0.0 <= clock.progress() < 0.01 and clock.remaining() > 990
+
+
+def test_a_resumed_budget_clock_continues_where_it_stopped():
+    clock = BudgetClock(1000.0)
+    clock.start(elapsed_before=600.0)
+    assert 0.6 <= clock.progress() < 0.61 and 390 < clock.remaining() <= 400
+
+
+def test_step_clock_progress_counts_optimizer_steps():
+    clock = StepClock(40)
+    clock.start(elapsed_before=12.0, steps_before=10)
+    assert clock.progress(10) == 0.25 and clock.progress(40) == 1.0 and clock.progress(50) == 1.0
+    assert clock.elapsed >= 12.0

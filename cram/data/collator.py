@@ -1,4 +1,9 @@
-"""The MLM collator: exactly `mask_fraction` of each sequence is masked, 80 % [MASK] / 10 % random / 10 % kept."""
+"""The MLM collator: exactly `mask_fraction` of each sequence is masked, 80 % [MASK] / 10 % random / 10 % kept.
+
+Given each sequence's serial number (its position in the run's stream of sequences, see `cram.train.sampling`),
+the masks are a pure function of (seed, serial): a resumed run, a run split over more processes, or a data loader
+with workers that prefetch all mask a sequence exactly as the uninterrupted single-process run did.
+"""
 
 from __future__ import annotations
 
@@ -25,7 +30,9 @@ class MaskedLMCollator:
         mask_fraction: float = 0.25,
         mask_token_rate: float = 0.8,
         random_token_rate: float = 0.1,
+        seed: int = 0,
     ):
+        self.seed = seed
         self.mask_token_id = mask_token_id
         self.mask_fraction = mask_fraction
         self.mask_token_rate = mask_token_rate
@@ -36,33 +43,74 @@ class MaskedLMCollator:
         self.ordinary_token_ids = is_ordinary.nonzero().squeeze(1)
 
     @classmethod
-    def for_tokenizer(cls, tokenizer, mask_fraction: float = 0.25) -> MaskedLMCollator:
-        return cls(tokenizer.mask_token_id, len(tokenizer), tokenizer.all_special_ids, mask_fraction)
+    def for_tokenizer(cls, tokenizer, mask_fraction: float = 0.25, seed: int = 0) -> MaskedLMCollator:
+        return cls(tokenizer.mask_token_id, len(tokenizer), tokenizer.all_special_ids, mask_fraction, seed=seed)
 
     def masked_count(self, seq_len: int) -> int:
         return round(self.mask_fraction * seq_len)
 
-    def __call__(self, examples: Sequence[dict] | torch.Tensor) -> dict[str, torch.Tensor]:
+    def __call__(self, examples: Sequence[dict] | dict | torch.Tensor) -> dict[str, torch.Tensor]:
+        """Mask a batch: a tensor, a list of examples, or {"input_ids", "serials"} from `SerialBlocks`."""
         if isinstance(examples, torch.Tensor):
-            input_ids = examples.long().clone()
-        else:
-            input_ids = torch.stack([torch.as_tensor(example["input_ids"]) for example in examples]).long()
+            return self.mask(examples.long().clone())
+        if isinstance(examples, dict):
+            return self.mask(examples["input_ids"].long().clone(), examples["serials"])
+        input_ids = torch.stack([torch.as_tensor(example["input_ids"]) for example in examples]).long()
         return self.mask(input_ids)
 
-    def mask(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Mask `input_ids` (batch, seq_len) in place and return it with the labels."""
+    def mask(self, input_ids: torch.Tensor, serials: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Mask `input_ids` (batch, seq_len) in place and return it with the labels.
+
+        With `serials` (one int per sequence), every random draw comes from `hashed_uniform(seed, serial, …)`;
+        without, from torch's global generator.
+        """
         batch, seq_len = input_ids.shape
-        scores = torch.rand(batch, seq_len)
+        count = self.masked_count(seq_len)
+
+        def uniform(stream: int, width: int) -> torch.Tensor:
+            if serials is None:
+                return torch.rand(batch, width)
+            return hashed_uniform(self.seed, serials, width, stream)
+
+        scores = uniform(0, seq_len)
         scores[torch.isin(input_ids, self.special_token_ids)] = -1.0  # ordinary tokens first
-        positions = scores.topk(self.masked_count(seq_len), dim=1).indices
+        positions = scores.topk(count, dim=1).indices
         originals = input_ids.gather(1, positions)
 
         labels = torch.full_like(input_ids, IGNORE_INDEX)
         labels.scatter_(1, positions, originals)
 
-        action = torch.rand(positions.shape)
-        random_tokens = self.ordinary_token_ids[torch.randint(len(self.ordinary_token_ids), positions.shape)]
+        action = uniform(1, count)
+        picks = (uniform(2, count) * len(self.ordinary_token_ids)).long().clamp_(max=len(self.ordinary_token_ids) - 1)
+        random_tokens = self.ordinary_token_ids[picks]
         replacement = torch.where(action < self.mask_token_rate + self.random_token_rate, random_tokens, originals)
         replacement = torch.where(action < self.mask_token_rate, self.mask_token_id, replacement)
         input_ids.scatter_(1, positions, replacement)
         return {"input_ids": input_ids, "labels": labels}
+
+
+_WORD = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' lowbias32) on int64 tensors holding 32-bit words."""
+    x = x & _WORD
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _WORD  # int64 products wrap, but the low 32 bits are exact
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _WORD
+    return x ^ (x >> 16)
+
+
+def hashed_uniform(seed: int, serials: torch.Tensor, width: int, stream: int) -> torch.Tensor:
+    """Uniform floats in [0, 1), shape (len(serials), width), that depend only on (seed, serial, column, stream).
+
+    A counter-based generator: no state to save or advance, so the draws for a sequence never depend on
+    which process or micro-batch it landed in, or on how many batches a data loader fetched ahead.
+    """
+    serials = serials.long().view(-1, 1)
+    key = _mix32(torch.tensor(seed) ^ _mix32(torch.tensor(stream + 0x9E3779B9)))
+    hashed = _mix32((serials & _WORD) ^ key)
+    hashed = _mix32(hashed ^ (serials >> 32))
+    hashed = _mix32(hashed ^ torch.arange(width).view(1, -1))
+    return hashed.double().div_(2.0**32).float()

@@ -25,6 +25,7 @@ from transformers import (
     PreTrainedModel,
 )
 from transformers import initialization as init
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput, SequenceClassifierOutput
 
 IGNORE_INDEX = -100
@@ -164,8 +165,8 @@ class CrammedBertFeedForward(nn.Module):
         return self.down(F.gelu(gate) * value)
 
 
-class CrammedBertLayer(nn.Module):
-    """A pre-LN transformer block."""
+class CrammedBertLayer(GradientCheckpointingLayer):
+    """A pre-LN transformer block; `gradient_checkpointing_enable()` recomputes it in the backward pass."""
 
     def __init__(self, config: CrammedBertConfig):
         super().__init__()
@@ -184,7 +185,7 @@ class CrammedBertPreTrainedModel(PreTrainedModel):
     config_class = CrammedBertConfig
     base_model_prefix = "bert"
     _no_split_modules = ["CrammedBertLayer"]
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

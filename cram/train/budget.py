@@ -26,28 +26,64 @@ def budget_triangle(progress: float) -> float:
     return max(0.0, min(0.25 + progress, 4.0 * (1.0 - progress)))
 
 
-class BudgetClock:
-    """Progress p = elapsed / budget through a wall-clock budget, started by `start()`."""
+class WallClock:
+    """Seconds of training, continuing across resumptions: `start(elapsed)` picks up where a checkpoint stopped."""
 
-    def __init__(self, budget_seconds: float):
-        self.budget_seconds = budget_seconds
-        self.started_at: float | None = None
+    def __init__(self) -> None:
+        self._started_at: float | None = None
+        self._elapsed_before = 0.0
+        self._steps_before = 0
 
-    def start(self) -> None:
-        self.started_at = time.perf_counter()
+    def start(self, elapsed_before: float = 0.0, steps_before: int = 0) -> None:
+        self._started_at = time.perf_counter()
+        self._elapsed_before = elapsed_before
+        self._steps_before = steps_before
 
     @property
     def elapsed(self) -> float:
-        return 0.0 if self.started_at is None else time.perf_counter() - self.started_at
+        now = time.perf_counter() if self._started_at is not None else None
+        return self._elapsed_before + (0.0 if now is None else now - self._started_at)
 
-    @property
-    def progress(self) -> float:
+    def progress(self, steps: int) -> float:
+        raise NotImplementedError
+
+    def remaining(self, steps: int) -> float:
+        raise NotImplementedError
+
+
+class BudgetClock(WallClock):
+    """Progress p = elapsed / budget through a wall-clock budget: the cramming schedule."""
+
+    def __init__(self, budget_seconds: float):
+        super().__init__()
+        self.budget_seconds = budget_seconds
+
+    def progress(self, steps: int = 0) -> float:
         return min(1.0, self.elapsed / self.budget_seconds)
 
-    @property
-    def remaining(self) -> float:
+    def remaining(self, steps: int = 0) -> float:
         return max(0.0, self.budget_seconds - self.elapsed)
 
-    @property
-    def done(self) -> bool:
-        return self.elapsed >= self.budget_seconds
+    def describe(self) -> str:
+        return f"{self.budget_seconds:g} s"
+
+
+class StepClock(WallClock):
+    """Progress p = optimizer steps / max_steps: a deterministic budget, for tests and fixed-length recipes."""
+
+    def __init__(self, max_steps: int):
+        super().__init__()
+        self.max_steps = max_steps
+
+    def progress(self, steps: int) -> float:
+        return min(1.0, steps / self.max_steps)
+
+    def remaining(self, steps: int) -> float:
+        """Seconds left at this session's pace so far."""
+        done_here = steps - self._steps_before
+        if done_here <= 0:
+            return float("nan")
+        return (self.elapsed - self._elapsed_before) / done_here * (self.max_steps - steps)
+
+    def describe(self) -> str:
+        return f"{self.max_steps} steps"

@@ -1,29 +1,30 @@
-"""Write a Hugging Face checkpoint folder atomically: a temporary name first, renamed when complete."""
+"""Checkpoints: the final Hugging Face model, and the training state a preempted run resumes from.
+
+Both are written under a temporary name and renamed when complete, so a run killed while saving leaves the
+previous checkpoint usable and nothing half-written that looks finished.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import shutil
+import time
 from pathlib import Path
 
+from accelerate import Accelerator
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from cram.errors import UserError
+from cram.train.state import TrainState
+
 OPTIONS_FILE = "cram_options.json"
+STATE_FILE = "cram_train_state.json"  # written last: a folder without it is not a checkpoint
+_STEP_FOLDER = re.compile(r"^step-(\d+)$")
 
 
-def save_checkpoint(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, options: dict, directory: str | Path
-) -> Path:
-    """Save model, tokenizer and the resolved recipe options to `directory`, replacing any older checkpoint there.
-
-    A run killed while saving leaves only `<directory>.tmp`, never a folder that looks like a finished checkpoint.
-    """
-    directory = Path(directory)
-    staging = directory.with_name(directory.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging, safe_serialization=True)
-    tokenizer.save_pretrained(staging)
-    (staging / OPTIONS_FILE).write_text(json.dumps(options, indent=2, default=str) + "\n")
+def _replace_atomically(staging: Path, directory: Path) -> None:
     if directory.exists():
         retired = directory.with_name(directory.name + ".old")
         shutil.rmtree(retired, ignore_errors=True)
@@ -32,4 +33,134 @@ def save_checkpoint(
         shutil.rmtree(retired)
     else:
         staging.rename(directory)
+
+
+def save_checkpoint(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, options: dict, directory: str | Path,
+    state_dict: dict | None = None,
+) -> Path:
+    """Save model, tokenizer and the resolved recipe options to `directory`, replacing any older checkpoint there.
+
+    `state_dict` is the gathered full state when the model is sharded (ZeRO-3, FSDP). A run killed while saving
+    leaves only `<directory>.tmp`, never a folder that looks like a finished checkpoint.
+    """
+    directory = Path(directory)
+    staging = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
+    tokenizer.save_pretrained(staging)
+    (staging / OPTIONS_FILE).write_text(json.dumps(options, indent=2, default=str) + "\n")
+    _replace_atomically(staging, directory)
     return directory
+
+
+class Checkpointer:
+    """Periodic training-state checkpoints in `directory/step-NNNNNNNN`, the newest `keep` of them kept.
+
+    A checkpoint is Accelerate's `save_state` (model, optimizer, gradient scaler, every process's RNG states,
+    DeepSpeed's sharded states) plus `STATE_FILE`: the step, the data position, the elapsed budget, the log so far,
+    and the facts a resumed run must share with this one (`run`).
+    """
+
+    def __init__(
+        self, accelerator: Accelerator, directory: str | Path, run: dict, *,
+        every_steps: int = 0, every_seconds: float = 0.0, keep: int = 2,
+    ):
+        self.accelerator = accelerator
+        self.directory = Path(directory)
+        self.run = run
+        self.every_steps = every_steps
+        self.every_seconds = every_seconds
+        self.keep = keep
+        self.last_saved_step: int | None = None
+        self._last_saved_at = time.monotonic()
+
+    def time_due(self) -> bool:
+        """Whether the time-based interval has passed (rank 0's answer is the one all processes follow)."""
+        return bool(self.every_seconds) and time.monotonic() - self._last_saved_at >= self.every_seconds
+
+    def due(self, state: TrainState, time_due: bool) -> bool:
+        if state.optimizer_steps == 0 or state.optimizer_steps == self.last_saved_step:
+            return False
+        return time_due or bool(self.every_steps and state.optimizer_steps % self.every_steps == 0)
+
+    def save(self, state: TrainState) -> Path:
+        """Write a checkpoint of `state`; every process must call this (sharded states are saved collectively)."""
+        target = self.directory / f"step-{state.optimizer_steps:08d}"
+        staging = target.with_name(target.name + ".tmp")
+        if self.accelerator.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        self.accelerator.wait_for_everyone()
+        self.accelerator.save_state(staging, safe_serialization=True)
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            record = {"state": dataclasses.asdict(state), "run": self.run}
+            (staging / STATE_FILE).write_text(json.dumps(record, indent=1, default=str) + "\n")
+            _replace_atomically(staging, target)
+            self._prune()
+        self.accelerator.wait_for_everyone()
+        self.last_saved_step = state.optimizer_steps
+        self._last_saved_at = time.monotonic()
+        return target
+
+    def _prune(self) -> None:
+        for stale in self.directory.glob("step-*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+        for old in complete_checkpoints(self.directory)[: -self.keep] if self.keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def complete_checkpoints(directory: str | Path) -> list[Path]:
+    """The complete training-state checkpoints in `directory`, oldest first."""
+    directory = Path(directory)
+    found = [
+        path for path in directory.glob("step-*")
+        if _STEP_FOLDER.match(path.name) and (path / STATE_FILE).is_file()
+    ] if directory.is_dir() else []
+    return sorted(found, key=lambda path: int(_STEP_FOLDER.match(path.name).group(1)))
+
+
+def find_checkpoint(resume: str, directory: str | Path) -> Path | None:
+    """The checkpoint `--resume` names: None for 'none', the newest complete one for 'auto', else that folder."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        complete = complete_checkpoints(directory)
+        return complete[-1] if complete else None
+    path = Path(resume)
+    if not (path / STATE_FILE).is_file():
+        raise UserError(
+            f"{path} is not a complete training checkpoint (no {STATE_FILE}): give a step-N folder from a run's "
+            "checkpoints/, or --resume auto."
+        )
+    return path
+
+
+def read_checkpoint(path: str | Path) -> tuple[TrainState, dict]:
+    """The training state and run facts recorded in a checkpoint."""
+    record = json.loads((Path(path) / STATE_FILE).read_text())
+    return TrainState(**record["state"]), record["run"]
+
+
+def check_same_run(saved: dict, current: dict, path: str | Path) -> None:
+    """Refuse to resume when anything that shapes the result differs from the run that wrote the checkpoint."""
+    differences = [
+        f"{section}.{key}: {saved.get(section, {}).get(key)!r} then, {value!r} now"
+        for section, values in current.items()
+        for key, value in values.items()
+        if saved.get(section, {}).get(key) != value
+    ]
+    if differences:
+        raise UserError(
+            f"cannot resume from {path}, which was written by a different run ({'; '.join(differences)}): "
+            "resume with the same model, data and training options, or start afresh with --resume none "
+            "or another --output-dir."
+        )
+
+
+def load_checkpoint(accelerator: Accelerator, path: str | Path) -> TrainState:
+    """Restore model, optimizer, scaler and RNG states on every process; return the training state."""
+    accelerator.load_state(str(path))
+    state, _ = read_checkpoint(path)
+    return state

@@ -1,77 +1,41 @@
-"""The shared training loop: gradient accumulation that can change per step, clipping, a schedule, logging.
+"""The shared training loop: gradient accumulation that can change per step, clipping, a schedule, logging,
+checkpoints, and a clean stop on preemption.
 
-The loop is driven by a clock (`progress` in [0, 1] and `done`): a wall-clock budget for cramming, a step
-count for fixed-length recipes. The learning rate and the accumulation are functions of that progress.
+The loop is driven by a clock whose progress p in [0, 1] comes from the wall clock (cramming's budget) or the
+step count (`--max-steps`, fixed-length recipes). The learning rate and the accumulation are functions of p.
+It runs unchanged on one process, DDP, DeepSpeed ZeRO-1/2/3 (with offload) and FSDP: the launch config decides.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+import math
+import resource
+import time
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
+from cram.train.budget import WallClock
+from cram.train.preemption import Preemption
+from cram.train.state import TrainState
 from cram.train.throughput import mfu, peak_flops
 
 
-class Clock(Protocol):
-    def start(self) -> None: ...
+class Checkpointing(Protocol):
+    def time_due(self) -> bool: ...
 
-    @property
-    def progress(self) -> float: ...
+    def due(self, state: TrainState, time_due: bool) -> bool: ...
 
-    @property
-    def elapsed(self) -> float: ...
-
-    @property
-    def remaining(self) -> float: ...
+    def save(self, state: TrainState) -> object: ...
 
 
-@dataclass
-class TrainResult:
-    optimizer_steps: int = 0
-    sequences: int = 0
-    tokens: int = 0
-    seconds: float = 0.0
-    epochs: int = 0
-    history: list[dict] = field(default_factory=list)  # one row per logged step
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-    @property
-    def first_loss(self) -> float:
-        return self.history[0]["loss"] if self.history else float("nan")
-
-    @property
-    def final_loss(self) -> float:
-        return self.history[-1]["loss"] if self.history else float("nan")
-
-
-class EpochCycler:
-    """Iterates over a data loader forever, counting completed passes."""
-
-    def __init__(self, loader: Iterable):
-        self.loader = loader
-        self.epochs = 0
-
-    def __iter__(self) -> Iterator:
-        while True:
-            empty = True
-            for batch in self.loader:
-                empty = False
-                yield batch
-            if empty:
-                raise ValueError("the data loader yields no batches")
-            self.epochs += 1
-
-
-def _format_seconds(seconds: float) -> str:
+def format_seconds(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
     seconds = int(seconds)
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
@@ -79,9 +43,10 @@ def _format_seconds(seconds: float) -> str:
 def train(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    loader: Iterable[dict],
+    batches: Iterator[dict],
     accelerator: Accelerator,
-    clock: Clock,
+    clock: WallClock,
+    state: TrainState,
     *,
     peak_lr: float,
     lr_shape: Callable[[float], float],
@@ -90,76 +55,83 @@ def train(
     log_every: int = 10,
     show_progress: bool = True,
     flops_per_token: float | None = None,
-) -> TrainResult:
-    """Train until the clock's progress reaches 1, checked between optimizer steps.
+    checkpointer: Checkpointing | None = None,
+    preemption: Preemption | None = None,
+) -> bool:
+    """Train from `state` until the clock's progress reaches 1; True if it did, False if a signal stopped it first.
 
-    Every process takes rank 0's reading of the clock, so all of them step, ramp and stop together (a process
-    that stopped one micro-batch early would leave the others waiting in a gradient all-reduce). The last step
-    may end up to one step's time past the budget.
-
-    With `flops_per_token`, logged rows carry MFU on GPUs whose peak is known (`cram.train.throughput`).
+    `state` is updated in place. All processes act on one shared reading per step (rank 0's clock, any process's
+    signal), so they step, ramp, checkpoint and stop together: a process that stopped one micro-batch early would
+    leave the others waiting in a gradient all-reduce. The last step may end up to one step's time past the budget.
     """
-    result = TrainResult()
-    peak = peak_flops(accelerator.device) if flops_per_token else None
-    batches = EpochCycler(loader)
-    batch_iter = iter(batches)
+    meter = Meter(accelerator, flops_per_token, state)
     bar = None
     if show_progress and accelerator.is_main_process:
         bar = tqdm(total=100, bar_format="{percentage:3.0f}% |{bar:20}| {desc}", dynamic_ncols=True)
-    def mfu_of(tokens_per_second: float) -> float | None:
-        return mfu(tokens_per_second, flops_per_token, peak) if peak else None
-
-    logged = False
+    loss = lr = sequences = grad_norm = None
     model.train()
-    clock.start()
-    while (progress := _synchronised_progress(clock, accelerator)) < 1.0:
+    clock.start(state.elapsed, state.optimizer_steps)
+    while True:
+        progress, stop, save_now = _agree(
+            accelerator,
+            clock.progress(state.optimizer_steps),
+            preemption is not None and preemption.requested,
+            checkpointer is not None and checkpointer.time_due(),
+        )
+        if checkpointer is not None and checkpointer.due(state, save_now):
+            state.elapsed = clock.elapsed
+            checkpointer.save(state)
+        if progress >= 1.0 or stop:
+            break
         lr = peak_lr * lr_shape(progress)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss, batch_shape = _accumulate_gradients(model, batch_iter, accelerator, accumulation_at(progress))
-        if max_grad_norm:
-            accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+        loss, (sequences, seq_len) = _accumulate_gradients(model, batches, accelerator, accumulation_at(progress))
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm) if max_grad_norm else None
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        sequences = batch_shape[0] * accelerator.num_processes
-        result.optimizer_steps += 1
-        result.sequences += sequences
-        result.tokens += sequences * batch_shape[1]
-        logged = result.optimizer_steps == 1 or result.optimizer_steps % log_every == 0
-        if logged:
-            _log_step(result, loss, lr, sequences, clock, accelerator, bar, mfu_of)
-    if result.optimizer_steps and not logged:  # the final step is always in the history
-        _log_step(result, loss, lr, sequences, clock, accelerator, bar, mfu_of)
+        sequences *= accelerator.num_processes
+        state.optimizer_steps += 1
+        state.sequences += sequences
+        state.tokens += sequences * seq_len
+        if state.optimizer_steps == 1 or state.optimizer_steps % log_every == 0:
+            state.elapsed = clock.elapsed
+            meter.log(state, loss, lr, sequences, grad_norm, clock, bar)
+    state.elapsed = clock.elapsed
+    if loss is not None and state.history[-1]["step"] != state.optimizer_steps:
+        meter.log(state, loss, lr, sequences, grad_norm, clock, bar)  # the last step is always in the history
     optimizer.zero_grad(set_to_none=True)
-    result.seconds = clock.elapsed
-    result.epochs = batches.epochs
     if bar is not None:
-        bar.n = 100
-        bar.refresh()
         bar.close()
-    return result
+    return not stop
 
 
-def _synchronised_progress(clock: Clock, accelerator: Accelerator) -> float:
-    """The clock's progress as rank 0 reads it, on every process."""
-    progress = torch.tensor([clock.progress], dtype=torch.float64, device=accelerator.device)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.broadcast(progress, src=0)
-    return progress.item()
+def _agree(accelerator: Accelerator, progress: float, stop: bool, save_now: bool) -> tuple[float, bool, bool]:
+    """Rank 0's progress and checkpoint timer, and whether any process was asked to stop, on every process."""
+    readings = torch.tensor([progress, float(stop), float(save_now)], dtype=torch.float64, device=accelerator.device)
+    if accelerator.num_processes > 1:
+        if accelerator.process_index != 0:
+            readings[0] = readings[2] = 0.0  # a maximum over processes then yields rank 0's values
+        torch.distributed.all_reduce(readings, op=torch.distributed.ReduceOp.MAX)
+    progress, stop, save_now = readings.tolist()
+    return progress, bool(stop), bool(save_now)
 
 
 def _accumulate_gradients(
-    model: torch.nn.Module, batch_iter: Iterator[dict], accelerator: Accelerator, accumulation: int
+    model: torch.nn.Module, batches: Iterator[dict], accelerator: Accelerator, accumulation: int
 ) -> tuple[torch.Tensor, tuple[int, int]]:
-    """Backward over `accumulation` micro-batches; the mean loss and the summed (sequences, seq_len) shape.
+    """Backward over `accumulation` micro-batches; the mean loss and this process's (sequences, seq_len).
 
-    Gradients are synchronised across processes only on the last micro-batch.
+    Gradients are synchronised across processes only on the last micro-batch. DeepSpeed learns where the
+    optimizer step falls from Accelerate's `sync_gradients` flag, which `accelerator.accumulate` would set only
+    for a fixed accumulation; the ramp changes it from step to step, so the loop sets it itself.
     """
     loss_sum = torch.zeros((), device=accelerator.device)
     sequences = seq_len = 0
     for micro_step in range(accumulation):
-        batch = next(batch_iter)
+        batch = {name: tensor.to(accelerator.device, non_blocking=True) for name, tensor in next(batches).items()}
         is_last = micro_step == accumulation - 1
+        accelerator.gradient_state._set_sync_gradients(is_last)
         with contextlib.nullcontext() if is_last else accelerator.no_sync(model):
             loss = model(**batch).loss
             accelerator.backward(loss / accumulation)
@@ -169,29 +141,62 @@ def _accumulate_gradients(
     return loss_sum / accumulation, (sequences, seq_len)
 
 
-def _log_step(
-    result: TrainResult, loss: torch.Tensor, lr: float, sequences: int, clock: Clock, accelerator: Accelerator,
-    bar: tqdm | None, mfu_of: Callable[[float], float | None],
-) -> None:
-    tokens_per_second = result.tokens / max(clock.elapsed, 1e-9)
-    row = {
-        "step": result.optimizer_steps,
-        "loss": loss.item(),
-        "lr": lr,
-        "batch_size": sequences,
-        "tokens_per_second": tokens_per_second,
-        "elapsed": clock.elapsed,
-    }
-    utilisation = mfu_of(tokens_per_second)
-    if utilisation is not None:
-        row["mfu"] = utilisation
-    result.history.append(row)
-    accelerator.log(row, step=row["step"])
-    if bar is not None:
-        bar.set_description_str(
-            f"step {row['step']} | loss {row['loss']:.3f} | {row['tokens_per_second']:,.0f} tok/s | lr {lr:.2e} "
-            f"| batch {sequences} | {_format_seconds(clock.remaining)} left"
-            + (f" | MFU {utilisation:.1%}" if utilisation is not None else ""),
-            refresh=False,
-        )
-        bar.update(round(100 * clock.progress, 1) - bar.n)  # one redraw per logged step
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this process: allocated GPU memory on a GPU, resident memory (RSS) on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+class Meter:
+    """Throughput since the previous log row, model FLOP/s and MFU, peak memory; to the tracker and the bar."""
+
+    def __init__(self, accelerator: Accelerator, flops_per_token: float | None, state: TrainState):
+        self.accelerator = accelerator
+        self.flops_per_token = flops_per_token
+        self.peak = peak_flops(accelerator.device)
+        self.since = time.perf_counter()
+        self.tokens_then = state.tokens
+        self.sequences_then = state.sequences
+
+    def log(
+        self, state: TrainState, loss: torch.Tensor, lr: float, sequences: int, grad_norm: torch.Tensor | float | None,
+        clock: WallClock, bar: tqdm | None,
+    ) -> None:
+        now = time.perf_counter()
+        seconds = max(now - self.since, 1e-9)
+        tokens_per_second = (state.tokens - self.tokens_then) / seconds
+        row = {
+            "step": state.optimizer_steps,
+            "loss": self.accelerator.reduce(loss.detach().clone(), reduction="mean").item(),
+            "lr": lr,
+            "batch_size": sequences,
+            "tokens_per_second": tokens_per_second,
+            "samples_per_second": (state.sequences - self.sequences_then) / seconds,
+            "peak_memory_gib": peak_memory_gib(self.accelerator.device),
+            "elapsed": state.elapsed,
+        }
+        if grad_norm is not None:
+            row["grad_norm"] = float(grad_norm)
+        if self.flops_per_token:
+            row["flops_per_second"] = tokens_per_second * self.flops_per_token
+            utilisation = mfu(tokens_per_second, self.flops_per_token, self.peak)
+            if utilisation is not None:
+                row["mfu"] = utilisation
+        self.since, self.tokens_then, self.sequences_then = now, state.tokens, state.sequences
+        state.history.append(row)
+        self.accelerator.log(row, step=row["step"])
+        if bar is not None:
+            bar.set_description_str(describe_row(row, clock.remaining(state.optimizer_steps)), refresh=False)
+            bar.update(round(100 * clock.progress(state.optimizer_steps), 1) - bar.n)  # one redraw per log row
+
+
+def describe_row(row: dict, seconds_left: float) -> str:
+    """The progress bar's text: step, loss, lr, tokens/s, MFU (or achieved FLOP/s on the CPU), time left."""
+    text = f"step {row['step']} | loss {row['loss']:.3f} | lr {row['lr']:.2e} | batch {row['batch_size']} | " \
+           f"{row['tokens_per_second']:,.0f} tok/s"
+    if "mfu" in row:
+        text += f" | MFU {row['mfu']:.1%}"
+    elif "flops_per_second" in row:
+        text += f" | {row['flops_per_second'] / 1e12:.2f} TFLOP/s"
+    return text + f" | {format_seconds(seconds_left)} left"

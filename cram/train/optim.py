@@ -1,4 +1,4 @@
-"""AdamW with weight decay on matrices only (not on biases, norms or scalar gains)."""
+"""AdamW with weight decay on matrices only (not on biases, norms or scalar gains), in 32-bit or 8-bit state."""
 
 from __future__ import annotations
 
@@ -22,8 +22,19 @@ def build_adamw(
     eps: float,
     weight_decay: float,
     fused: bool | None = None,
-) -> torch.optim.AdamW:
-    """AdamW over `decay_param_groups`; the fused kernel (one pass over all tensors) unless told otherwise."""
+    eight_bit: bool = False,
+) -> torch.optim.Optimizer:
+    """AdamW over `decay_param_groups`; the fused kernel (one pass over all tensors) unless told otherwise.
+
+    `eight_bit` keeps both moments in bitsandbytes' block-wise 8-bit format: 2 bytes of optimizer state per
+    parameter instead of 8, for a small change in the result.
+    """
+    if eight_bit:
+        import bitsandbytes  # imported here: it is slow to import and prints notices about missing GPU kernels
+
+        return bitsandbytes.optim.AdamW8bit(
+            decay_param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
+        )
     if fused is None:
         fused = next(model.parameters()).device.type in ("cuda", "cpu")
     return torch.optim.AdamW(decay_param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=fused)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 
 import torch
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs, parse_flag_from_env
 
 from cram.errors import UserError
 
@@ -50,3 +52,88 @@ def enable_tf32() -> None:
     """TF32 matmuls and convolutions: a free speed-up on Ampere and newer, ignored elsewhere."""
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
+
+
+def launch_device_type() -> str:
+    """The device the launch config asked for: the CPU when it says `use_cpu` or there is no GPU."""
+    use_cpu = not torch.cuda.is_available() or parse_flag_from_env("ACCELERATE_USE_CPU")
+    return "cpu" if use_cpu else "cuda"
+
+
+def check_process_count(device_type: str) -> None:
+    """Refuse a launch that starts more processes on this machine than it has GPUs (or CPU cores)."""
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if device_type == "cuda":
+        available, what = torch.cuda.device_count(), "GPU(s)"
+    else:
+        available, what = os.cpu_count() or 1, "CPU core(s)"
+    if local_processes > available:
+        raise UserError(
+            f"the launch starts {local_processes} processes on this machine, which has {available} {what}: set "
+            f"num_processes to at most {available} in the launch config (or pass --num_processes)."
+        )
+
+
+def build_accelerator(precision: str, log_with: str | None, project_dir: str) -> Accelerator:
+    """The Accelerator for the launch config's choice of DDP, DeepSpeed or FSDP, on GPUs or the CPU.
+
+    `cpu=True` lets torchrun start several CPU processes (MULTI_CPU over gloo). DeepSpeed ignores `cpu`, and on a
+    machine without a GPU Accelerate finds no backend for it and reports one process; naming gloo fixes both.
+    """
+    device_type = launch_device_type()
+    check_process_count(device_type)
+    deepspeed = parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and device_type == "cpu" else []
+    return Accelerator(
+        cpu=device_type == "cpu" and not deepspeed,
+        mixed_precision=resolve_precision(precision, device_type),
+        log_with=log_with,
+        project_dir=project_dir,
+        kwargs_handlers=handlers,
+    )
+
+
+def configure_deepspeed(
+    accelerator: Accelerator, micro_batch_size: int, target_batch_size: int, max_grad_norm: float
+) -> None:
+    """Fill the DeepSpeed JSON's "auto" batch and clipping fields from the recipe; refuse values that conflict.
+
+    The recipe does its own gradient accumulation (the ramp changes it every step), so DeepSpeed sees one
+    micro-batch per step and learns each step's end from the loop. The full batch the JSON may state must be the
+    recipe's target; clipping happens inside DeepSpeed's step, so it takes the recipe's norm.
+    """
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    config = plugin.deepspeed_config
+    full_accumulation = target_batch_size // (micro_batch_size * accelerator.num_processes)
+    accepted = {
+        "train_micro_batch_size_per_gpu": (micro_batch_size, "--micro-batch-size"),
+        "train_batch_size": (target_batch_size, "--target-batch-size"),
+        "gradient_accumulation_steps": (full_accumulation, "--target-batch-size"),
+        "gradient_clipping": (max_grad_norm, "--max-grad-norm"),
+    }
+    for key, (value, flag) in accepted.items():
+        stated = config.get(key, "auto")
+        if stated != "auto" and stated != value:
+            raise UserError(
+                f"the DeepSpeed config sets {key} to {stated} but the recipe's value is {value}: set it to \"auto\" "
+                f"in the JSON (the recipe fills it in), or change {flag}."
+            )
+    config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    config["gradient_accumulation_steps"] = 1
+    config["train_batch_size"] = micro_batch_size * accelerator.num_processes
+    config["gradient_clipping"] = max_grad_norm
+    accelerator.gradient_accumulation_steps = 1
+
+
+def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(parameters in the model, parameters this process holds): they differ when ZeRO-3 or FSDP shards them."""
+    total = held = 0
+    for param in model.parameters():
+        total += getattr(param, "ds_numel", param.numel())
+        local = getattr(param, "ds_tensor", None)
+        if local is None and hasattr(param, "to_local"):  # an FSDP2 DTensor
+            local = param.to_local()
+        held += (local if local is not None else param).numel()
+    return total, held

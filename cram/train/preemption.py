@@ -1,0 +1,32 @@
+"""Turn a scheduler's SIGTERM (or Ctrl-C) into a request to checkpoint and stop at the next step boundary."""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+
+
+class Preemption:
+    """Records the first SIGTERM/SIGINT instead of dying mid-step; a second SIGINT interrupts at once."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+    def install(self) -> Preemption:
+        signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.signal == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = signum
+
+    @property
+    def exit_status(self) -> int:
+        """128 + the signal number, as a shell reports a process the signal killed, so job scripts can requeue."""
+        return 128 + (self.signal or 0)

@@ -1,0 +1,26 @@
+"""What a run has done so far: saved with every checkpoint, restored on resume, summarised at the end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TrainState:
+    optimizer_steps: int = 0
+    sequences: int = 0  # sequences consumed by all processes: the data position (see `cram.train.sampling`)
+    tokens: int = 0
+    elapsed: float = 0.0  # seconds of training across every session of the run: the budget clock continues here
+    history: list[dict] = field(default_factory=list)  # one row per logged step
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.elapsed if self.elapsed else 0.0
+
+    @property
+    def first_loss(self) -> float:
+        return self.history[0]["loss"] if self.history else float("nan")
+
+    @property
+    def final_loss(self) -> float:
+        return self.history[-1]["loss"] if self.history else float("nan")
