@@ -28,6 +28,7 @@ from cram.cli import option, parse_strictly
 from cram.data import DataOptions, PreparedData, is_prepared, load_prepared, prepare
 from cram.data.collator import MaskedLMCollator
 from cram.errors import UserError, run_cli
+from cram.hub import ModelCardFacts, check_repo_id, push_checkpoint, write_model_card
 from cram.models.crammed_bert import PRESETS, CrammedBertConfig, CrammedBertForMaskedLM
 from cram.train.budget import BudgetClock, StepClock, budget_triangle, parse_budget
 from cram.train.checkpoint import (
@@ -130,6 +131,10 @@ def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
         raise UserError("checkpoint intervals cannot be negative: give 0 to turn one off.")
     if implementation.keep_checkpoints < 1:
         raise UserError("--keep-checkpoints must be at least 1: the newest state is what a resumed run needs.")
+    if implementation.push_to_hub is not None:
+        check_repo_id(implementation.push_to_hub)
+    elif implementation.push_checkpoints:
+        raise UserError("--push-checkpoints needs --push-to-hub ORG/NAME: name the repository to push them to.")
     target, micro = BATCH_DEFAULTS[training.preset]
     if training.target_batch_size is None:
         training.target_batch_size = target
@@ -250,11 +255,42 @@ def main() -> None:
     )
 
     # Run: until the budget runs out or a scheduler's SIGTERM asks the run to stop.
+    def model_card(state: TrainState) -> ModelCardFacts:
+        return ModelCardFacts(
+            repo_id=implementation.push_to_hub or str(output_dir / "final"),
+            architecture=f"crammed BERT ({training.preset}), {config.num_hidden_layers} layers × "
+                         f"{config.hidden_size}, {config.num_attention_heads} heads, vocab {config.vocab_size}",
+            num_parameters=parameters,
+            data=f"{training.data} ({len(data.dataset):,} blocks of {config.max_position_embeddings} tokens)",
+            budget=f"{training.max_steps} optimizer steps" if training.max_steps else training.budget,
+            hardware=describe_hardware(accelerator),
+            tokens_seen=state.tokens,
+            optimizer_steps=state.optimizer_steps,
+            final_loss=state.final_loss,
+        )
+
+    def push_checkpoint_model(state: TrainState, saved: Path) -> None:
+        """With --push-checkpoints: the model at this step, as a plain checkpoint, to the Hub revision step-N."""
+        state_dict = accelerator.get_state_dict(model)  # a collective under ZeRO-3
+        if not accelerator.is_main_process:
+            return
+        exported = save_checkpoint(
+            accelerator.unwrap_model(model, keep_torch_compile=False), data.tokenizer, resolved, saved / "model",
+            state_dict=state_dict,
+        )
+        write_model_card(exported, model_card(state))
+        try:
+            push_checkpoint(exported, implementation.push_to_hub, private=not implementation.hub_public,
+                            revision=saved.name)
+        except UserError as err:  # a failed intermediate push must not end a long run
+            print(f"warning: {err}", file=sys.stderr)
+
     checkpointer = Checkpointer(
         accelerator, output_dir / "checkpoints", run,
         every_steps=implementation.checkpoint_every,
         every_seconds=implementation.checkpoint_every_minutes * 60,
         keep=implementation.keep_checkpoints,
+        on_save=push_checkpoint_model if implementation.push_checkpoints else None,
     )
     preemption = Preemption().install()
     clock = StepClock(training.max_steps) if training.max_steps else BudgetClock(budget_seconds)
@@ -307,6 +343,7 @@ def main() -> None:
         "history": state.history,
     }
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_model_card(checkpoint, model_card(state))
     print(
         f"\ntrained {state.optimizer_steps} steps, {state.tokens:,} tokens in {state.elapsed:.0f} s "
         f"({state.tokens_per_second:,.0f} tokens/s, {summary['epochs']} full pass(es) over the data); "
@@ -318,10 +355,22 @@ def main() -> None:
         f"    model = AutoModelForMaskedLM.from_pretrained({str(checkpoint)!r})\n"
         f"    tokenizer = AutoTokenizer.from_pretrained({str(checkpoint)!r})"
     )
+    if implementation.push_to_hub:  # after the local checkpoint is complete: a failed push loses nothing
+        url = push_checkpoint(checkpoint, implementation.push_to_hub, private=not implementation.hub_public)
+        print(f"pushed to the Hub: {url}")
 
 
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+
+def describe_hardware(accelerator) -> str:
+    """E.g. "4 × NVIDIA A100-SXM4-80GB, DEEPSPEED ZeRO-3" or "1 × CPU"."""
+    text = f"{accelerator.num_processes} × {device_name(accelerator.device)}"
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None:
+        return f"{text}, DeepSpeed ZeRO-{plugin.zero_stage}"
+    return text if accelerator.num_processes == 1 else f"{text}, {accelerator.distributed_type.value}"
 
 
 if __name__ == "__main__":

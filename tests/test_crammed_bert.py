@@ -63,7 +63,7 @@ def test_positions_are_scaled_sinusoids_with_one_learned_scale():
     model = CrammedBertForMaskedLM(tiny_config())
     positions = model.bert.embeddings.positions
     assert [name for name, _ in positions.named_parameters()] == ["scale"]
-    torch.testing.assert_close(positions.scale.detach(), torch.tensor(128**-0.5))
+    torch.testing.assert_close(positions.scale.detach(), torch.tensor([128**-0.5]))
     assert torch.allclose(positions.table[0, 1::2], torch.ones(64))  # cos(0) = 1
 
 

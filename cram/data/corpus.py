@@ -41,7 +41,10 @@ def embedded_corpus_path(cache_dir: str | Path | None = None) -> Path:
 
 def _environment_key() -> str:
     """Identify the Python installation and package versions the corpus is extracted from."""
-    packages = sorted(f"{dist.metadata['Name']}=={dist.version}" for dist in metadata.distributions())
+    # Only the installed packages the corpus reads: `sys.path` also holds the working directory (an egg-info
+    # there) and launcher paths, which would give the same corpus another key under torchrun or another cwd.
+    installed = metadata.distributions(path=sorted(_package_dirs()))
+    packages = sorted({f"{dist.metadata['Name']}=={dist.version}" for dist in installed})
     identity = json.dumps([BUILDER_VERSION, TARGET_CHARS, _stdlib_dir(), sorted(_package_dirs()), packages])
     return hashlib.sha256(identity.encode()).hexdigest()[:16]
 

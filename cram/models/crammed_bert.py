@@ -113,7 +113,8 @@ class ScaledSinusoidalPositions(nn.Module):
         self.register_buffer(
             "table", sinusoidal_table(config.max_position_embeddings, config.hidden_size), persistent=False
         )
-        self.scale = nn.Parameter(torch.tensor(config.hidden_size**-0.5))
+        # Shape (1,), not a 0-dim scalar: DeepSpeed's broadcast of the initial model cannot view a 0-dim tensor.
+        self.scale = nn.Parameter(torch.full((1,), config.hidden_size**-0.5))
 
     def forward(self, seq_len: int) -> torch.Tensor:
         return self.table[:seq_len] * self.scale

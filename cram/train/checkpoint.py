@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from accelerate import Accelerator
@@ -47,6 +48,9 @@ def save_checkpoint(
     directory = Path(directory)
     staging = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
+    if state_dict is not None and model.config.tie_word_embeddings:
+        # A gathered state dict carries tied weights twice; the plain checkpoint stores them once.
+        state_dict = {key: value for key, value in state_dict.items() if key not in model._tied_weights_keys}
     model.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(staging)
     (staging / OPTIONS_FILE).write_text(json.dumps(options, indent=2, default=str) + "\n")
@@ -65,6 +69,7 @@ class Checkpointer:
     def __init__(
         self, accelerator: Accelerator, directory: str | Path, run: dict, *,
         every_steps: int = 0, every_seconds: float = 0.0, keep: int = 2,
+        on_save: Callable[[TrainState, Path], None] | None = None,
     ):
         self.accelerator = accelerator
         self.directory = Path(directory)
@@ -72,6 +77,7 @@ class Checkpointer:
         self.every_steps = every_steps
         self.every_seconds = every_seconds
         self.keep = keep
+        self.on_save = on_save  # called on every process after each save, e.g. to push the model to the Hub
         self.last_saved_step: int | None = None
         self._last_saved_at = time.monotonic()
 
@@ -100,6 +106,8 @@ class Checkpointer:
             _replace_atomically(staging, target)
             self._prune()
         self.accelerator.wait_for_everyone()
+        if self.on_save is not None:
+            self.on_save(state, target)
         self.last_saved_step = state.optimizer_steps
         self._last_saved_at = time.monotonic()
         return target

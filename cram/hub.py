@@ -1,0 +1,238 @@
+"""Publish a checkpoint folder on the Hugging Face Hub: a model card, then the folder as one upload.
+
+    python -m cram.hub runs/cram/final my-org/crammed-bert            # private repo, branch main
+    python -m cram.hub runs/cram/final my-org/crammed-bert --revision 24h --public
+
+The token comes from `hf auth login` or the HF_TOKEN variable (never the command line, where other users
+and the shell history would see it), and HF_ENDPOINT points the push at another Hub. A push that fails
+leaves the checkpoint folder as it was, and the error says how to push it later.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx2
+import yaml
+from huggingface_hub import HfApi, constants
+from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+from cram import __version__
+from cram.errors import UserError, run_cli
+
+CARD_FILE = "README.md"
+# The Hub's own rule for names: letters, digits, '-', '_' and '.', starting and ending with a letter or digit.
+HUB_NAME = r"[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9_])?"
+PIPELINE_TAGS = {"AutoModelForMaskedLM": "fill-mask", "AutoModelForCausalLM": "text-generation"}
+
+
+class HubUnreachable(UserError):
+    """The Hub could not be reached; the checkpoint is saved locally and can be pushed later."""
+
+
+@dataclass
+class ModelCardFacts:
+    """What the model card says about one pretrained checkpoint; the training recipe fills it in."""
+
+    repo_id: str
+    architecture: str  # one line, e.g. "crammed BERT, 16 layers × 768, 12 heads"
+    num_parameters: int
+    data: str
+    budget: str  # e.g. "24h" or "1000 steps"
+    hardware: str  # e.g. "1 × NVIDIA H100" or "2 × CPU processes"
+    tokens_seen: int
+    optimizer_steps: int
+    final_loss: float
+    eval_results: dict[str, float] | None = None  # task -> score
+    auto_class: str = "AutoModelForMaskedLM"  # the `transformers` class the "how to load it" snippet uses
+    trust_remote_code: bool = True  # the checkpoint carries its modelling file (config.json's auto_map)
+
+
+def render_model_card(facts: ModelCardFacts) -> str:
+    """The checkpoint's README.md: YAML front matter the Hub reads, then the model, training, evaluation, loading."""
+    metadata: dict[str, object] = {"library_name": "transformers", "license": "apache-2.0"}
+    if facts.auto_class in PIPELINE_TAGS:
+        metadata["pipeline_tag"] = PIPELINE_TAGS[facts.auto_class]
+    metadata["tags"] = ["cram", "pretrained-from-scratch"]
+    front_matter = yaml.safe_dump(metadata, sort_keys=False, allow_unicode=True)
+
+    remote_code = ", trust_remote_code=True" if facts.trust_remote_code else ""
+    lines = [
+        "---", front_matter.rstrip("\n"), "---", "",
+        f"# {facts.repo_id.split('/')[-1]}", "",
+        "A language model pretrained from scratch with `cram`.", "",
+        "## Model", "",
+        f"- Architecture: {facts.architecture}",
+        f"- Parameters: {facts.num_parameters:,} ({short_count(facts.num_parameters)})",
+        "",
+        "## Training", "",
+        f"- Data: {facts.data}",
+        f"- Budget: {facts.budget}",
+        f"- Hardware: {facts.hardware}",
+        f"- Tokens seen: {facts.tokens_seen:,}",
+        f"- Optimizer steps: {facts.optimizer_steps:,}",
+        f"- Final training loss: {facts.final_loss:.4f}",
+        "",
+    ]
+    if facts.eval_results:
+        lines += ["## Evaluation", "", "| Task | Score |", "| --- | ---: |"]
+        lines += [f"| {task.replace('|', '/')} | {score:.4g} |" for task, score in facts.eval_results.items()]
+        lines.append("")
+    lines += [
+        "## How to load it", "",
+        "```python",
+        f"from transformers import {facts.auto_class}, AutoTokenizer",
+        "",
+        f'tokenizer = AutoTokenizer.from_pretrained("{facts.repo_id}")',
+        f'model = {facts.auto_class}.from_pretrained("{facts.repo_id}"{remote_code})',
+        "```",
+    ]
+    if facts.trust_remote_code:
+        lines += [
+            "",
+            "`trust_remote_code=True` runs the modelling file stored in this repository, so the model loads "
+            "without installing `cram`; read that file first if you do not trust its source.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def short_count(count: int) -> str:
+    """1234567 -> "1.2 M": the size people quote for a model."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= scale:
+            return f"{count / scale:.1f} {suffix}"
+    return str(count)
+
+
+def write_model_card(checkpoint_dir: str | Path, facts: ModelCardFacts) -> Path:
+    """Write README.md into the checkpoint folder; a crash while writing never leaves half a card under that name."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise UserError(f"the checkpoint folder {checkpoint_dir} does not exist: save the checkpoint before its card.")
+    card_path = checkpoint_dir / CARD_FILE
+    staging = tempfile.NamedTemporaryFile(
+        "w", encoding="utf-8", dir=checkpoint_dir, prefix=f".{CARD_FILE}.", suffix=".tmp", delete=False
+    )
+    try:
+        with staging:
+            staging.write(render_model_card(facts))
+        os.replace(staging.name, card_path)
+    except BaseException:
+        Path(staging.name).unlink(missing_ok=True)  # the folder gets uploaded whole: leave nothing stray in it
+        raise
+    return card_path
+
+
+def check_repo_id(repo_id: str) -> None:
+    """Refuse anything but ORG/NAME before any request, so a typo costs no upload."""
+    name_ok = re.fullmatch(f"{HUB_NAME}/{HUB_NAME}", repo_id) and ".." not in repo_id and "--" not in repo_id
+    if not name_ok or repo_id.endswith(".git"):
+        raise UserError(
+            f"the Hub repository {repo_id!r} is not of the form ORG/NAME: give your user or organisation name, "
+            "a slash and a model name made of letters, digits, '-', '_' and '.', e.g. my-org/crammed-bert."
+        )
+
+
+def check_checkpoint_dir(checkpoint_dir: Path) -> None:
+    """Refuse a folder that is not a finished checkpoint, before creating anything on the Hub."""
+    if not checkpoint_dir.is_dir():
+        raise UserError(
+            f"the checkpoint folder {checkpoint_dir} does not exist: give the folder a training run wrote, "
+            "e.g. runs/cram/final."
+        )
+    if not (checkpoint_dir / "config.json").is_file():
+        raise UserError(
+            f"{checkpoint_dir} holds no config.json, so it is not a finished checkpoint: give the folder a training "
+            "run wrote, e.g. runs/cram/final."
+        )
+
+
+def push_command(checkpoint_dir: Path, repo_id: str, revision: str | None, private: bool) -> str:
+    """The shell command that repeats this push, for error messages."""
+    words = ["python", "-m", "cram.hub", str(checkpoint_dir), repo_id]
+    if revision is not None:
+        words += ["--revision", revision]
+    if not private:
+        words.append("--public")
+    return shlex.join(words)
+
+
+def push_checkpoint(
+    checkpoint_dir: str | Path,
+    repo_id: str,
+    *,
+    private: bool = True,
+    revision: str | None = None,
+    token: str | None = None,
+    commit_message: str | None = None,
+    endpoint: str | None = None,
+) -> str:
+    """Upload the whole checkpoint folder to the Hub model repo `repo_id` and return the commit's URL.
+
+    The repo is created if missing (private unless `private=False`; an existing repo keeps its visibility), and
+    so is the branch `revision` (from main). `token=None` means the one `hf auth login` saved or HF_TOKEN;
+    `endpoint=None` means the Hub huggingface_hub resolved (HF_ENDPOINT, else huggingface.co).
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    check_checkpoint_dir(checkpoint_dir)
+    check_repo_id(repo_id)
+    endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
+    command = push_command(checkpoint_dir, repo_id, revision, private)
+    later = f"the checkpoint is saved at {checkpoint_dir}; push it later with `{command}`"
+    api = HfApi(endpoint=endpoint, token=token, library_name="cram", library_version=__version__)
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        if revision is not None and revision != "main":
+            api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
+        commit = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=checkpoint_dir,
+            repo_type="model",
+            revision=revision,
+            commit_message=commit_message or f"Upload {checkpoint_dir.name} with cram",
+        )
+    except OfflineModeIsEnabled as err:
+        raise HubUnreachable(
+            f"HF_HUB_OFFLINE is set, so {repo_id} was not pushed to {endpoint}: the checkpoint is saved at "
+            f"{checkpoint_dir}; unset HF_HUB_OFFLINE and push it later with `{command}`."
+        ) from err
+    except httpx2.TransportError as err:  # connection refused, DNS failure, timeout, dropped connection
+        raise HubUnreachable(f"could not reach the Hugging Face Hub at {endpoint} to push {repo_id}: {later}.") from err
+    except HfHubHTTPError as err:
+        status = err.response.status_code
+        if status in (401, 403):
+            raise UserError(
+                f"the Hugging Face Hub at {endpoint} refused the credentials for pushing {repo_id} (HTTP {status}): "
+                f"log in with `hf auth login` or set HF_TOKEN to a token that can write to {repo_id.split('/')[0]}; "
+                f"{later}."
+            ) from err
+        reason = " ".join(str(err.server_message or "").split()).rstrip(".") or "no reason given"
+        raise UserError(
+            f"the Hugging Face Hub at {endpoint} refused to push {repo_id} (HTTP {status}: {reason}); {later}."
+        ) from err
+    return str(commit.commit_url)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m cram.hub",
+        description="Push a checkpoint folder to a Hugging Face Hub model repo (private unless --public).",
+        epilog="The token comes from `hf auth login` or HF_TOKEN; HF_ENDPOINT points at another Hub.",
+    )
+    parser.add_argument("checkpoint_dir", type=Path, help="the folder a training run wrote, e.g. runs/cram/final")
+    parser.add_argument("repo_id", help="the model repo as ORG/NAME; created if missing")
+    parser.add_argument("--revision", default=None, help="branch to push to, created from main if missing")
+    parser.add_argument("--public", action="store_true", help="create the repo public (an existing repo keeps its own)")
+    args = parser.parse_args(argv)
+    url = push_checkpoint(args.checkpoint_dir, args.repo_id, private=not args.public, revision=args.revision)
+    print(f"pushed {args.checkpoint_dir} to {url}")
+
+
+if __name__ == "__main__":
+    run_cli(main)

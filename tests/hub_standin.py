@@ -1,0 +1,239 @@
+"""A local stand-in for the Hugging Face Hub HTTP API: just the routes `HfApi.upload_folder` and friends call.
+
+It answers the real `huggingface_hub` client, so the tests exercise its actual code path without the network.
+Files are stored inline ("regular" upload mode for every file), so no LFS or Xet storage is involved.
+Every request is recorded (method, path, headers, body) so tests can check what the client sent;
+a route the stand-in does not know is recorded in `unknown_routes` and answered 404, so a new client call shows up.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote, urlsplit
+
+import yaml
+
+REPO = r"(?P<repo>[^/]+/[^/]+)"
+INVALID_CREDENTIALS = "Invalid credentials in Authorization header"
+
+
+@dataclass
+class RecordedRequest:
+    method: str
+    path: str
+    headers: dict[str, str]  # names lower-cased
+    body: bytes
+
+
+@dataclass
+class StoredRepo:
+    private: bool
+    branches: dict[str, dict[str, bytes]] = field(default_factory=lambda: {"main": {}})
+    commits: dict[str, list[str]] = field(default_factory=lambda: {"main": []})  # commit summaries per branch
+
+
+class HubStandIn:
+    """Run with `with HubStandIn(token=...) as hub:`; `hub.endpoint` is the URL to point the client at.
+
+    With `token` set, a request without `Authorization: Bearer <token>` gets the Hub's 401 answer.
+    """
+
+    def __init__(self, token: str | None = None) -> None:
+        self.token = token
+        self.repos: dict[str, StoredRepo] = {}
+        self.requests: list[RecordedRequest] = []
+        self.unknown_routes: list[str] = []
+        self.commit_refusal: tuple[int, str] | None = None  # (status, reason) to answer every commit with
+        self.lock = threading.Lock()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self.handler_class())
+        self.server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, name="hub-standin", daemon=True
+        )
+
+    def __enter__(self) -> HubStandIn:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+    def files(self, repo_id: str, revision: str = "main") -> dict[str, bytes]:
+        return self.repos[repo_id].branches[revision]
+
+    def handler_class(self) -> type[BaseHTTPRequestHandler]:
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as the client expects
+
+            def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the stdlib's name
+                pass  # quiet: the tests read `hub.requests` instead
+
+            def do_GET(self) -> None:
+                self.handle_request()
+
+            def do_POST(self) -> None:
+                self.handle_request()
+
+            def do_PUT(self) -> None:
+                self.handle_request()
+
+            def do_DELETE(self) -> None:
+                self.handle_request()
+
+            def read_body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    chunks = []
+                    while size := int(self.rfile.readline().strip() or b"0", 16):
+                        chunks.append(self.rfile.read(size))
+                        self.rfile.readline()
+                    self.rfile.readline()
+                    return b"".join(chunks)
+                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+            def reply(self, status: int, payload: object, headers: dict[str, str] | None = None) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
+                self.end_headers()
+                self.wfile.write(data)
+
+            def handle_request(self) -> None:
+                body = self.read_body()
+                path = urlsplit(self.path).path
+                with hub.lock:
+                    headers = {name.lower(): value for name, value in self.headers.items()}
+                    hub.requests.append(RecordedRequest(self.command, self.path, headers, body))
+                    if hub.token is not None and self.headers.get("Authorization") != f"Bearer {hub.token}":
+                        self.reply(401, {"error": INVALID_CREDENTIALS}, {"X-Error-Message": INVALID_CREDENTIALS})
+                        return
+                    for method, pattern, route in hub.routes():
+                        match = re.fullmatch(pattern, path)
+                        if method == self.command and match:
+                            arguments = {name: unquote(value) for name, value in match.groupdict().items() if value}
+                            status, payload, *extra_headers = route(body, **arguments)
+                            self.reply(status, payload, *extra_headers)
+                            return
+                    hub.unknown_routes.append(f"{self.command} {self.path}")
+                    self.reply(404, {"error": f"the stand-in has no route {self.command} {path}"})
+
+        return Handler
+
+    def routes(self) -> list[tuple[str, str, Callable[..., tuple]]]:
+        return [
+            ("POST", r"/api/repos/create", self.create_repo),
+            ("POST", r"/api/validate-yaml", self.validate_yaml),
+            ("POST", rf"/api/models/{REPO}/branch/(?P<branch>[^/]+)", self.create_branch),
+            ("POST", rf"/api/models/{REPO}/preupload/(?P<revision>[^/]+)", self.preupload),
+            ("POST", rf"/api/models/{REPO}/commit/(?P<revision>[^/]+)", self.commit),
+            ("GET", rf"/api/models/{REPO}(?:/revision/(?P<revision>[^/]+))?", self.repo_info),
+        ]
+
+    # Routes: each returns (status, JSON payload[, extra headers]).
+
+    def repo_not_found(self, repo: str) -> tuple:
+        return 404, {"error": f"Repository {repo} not found"}, {"X-Error-Code": "RepoNotFound"}
+
+    def revision_not_found(self, revision: str) -> tuple:
+        return 404, {"error": f"Invalid rev id: {revision}"}, {"X-Error-Code": "RevisionNotFound"}
+
+    def create_repo(self, body: bytes) -> tuple:
+        request = json.loads(body)
+        repo_id = f"{request['organization']}/{request['name']}" if request.get("organization") else request["name"]
+        if repo_id in self.repos:
+            return 409, {"error": "You already created this model repo", "url": f"{self.endpoint}/{repo_id}"}
+        # huggingface_hub 1.x sends `private`; 2.x sends `visibility`. An unset one means public, as on the Hub.
+        private = request.get("visibility") == "private" or request.get("private") is True
+        self.repos[repo_id] = StoredRepo(private=private)
+        return 200, {"url": f"{self.endpoint}/{repo_id}", "name": repo_id, "id": repo_id}
+
+    def validate_yaml(self, body: bytes) -> tuple:
+        """Check the README's front matter parses to a mapping, as the Hub does before accepting a card."""
+        content = json.loads(body)["content"]
+        parts = content.split("---\n", 2) if content.startswith("---\n") else []
+        try:
+            metadata = yaml.safe_load(parts[1]) if len(parts) == 3 else None
+        except yaml.YAMLError as err:
+            return 400, {"errors": [{"message": f"invalid YAML: {err}"}]}
+        if not isinstance(metadata, dict):
+            return 400, {"errors": [{"message": "the README has no YAML front matter"}]}
+        return 200, {"errors": [], "warnings": []}
+
+    def create_branch(self, body: bytes, repo: str, branch: str) -> tuple:
+        if repo not in self.repos:
+            return self.repo_not_found(repo)
+        stored = self.repos[repo]
+        if branch in stored.branches:
+            return 409, {"error": f"Reference already exists: refs/heads/{branch}"}
+        starting_point = json.loads(body or b"{}").get("startingPoint", "main")
+        stored.branches[branch] = dict(stored.branches[starting_point])
+        stored.commits[branch] = list(stored.commits[starting_point])
+        return 200, {}
+
+    def preupload(self, body: bytes, repo: str, revision: str) -> tuple:
+        if repo not in self.repos:
+            return self.repo_not_found(repo)
+        if revision not in self.repos[repo].branches:
+            return self.revision_not_found(revision)
+        files = json.loads(body)["files"]
+        # "regular" for every file: the content travels inline in the commit, no LFS or Xet upload.
+        answer = [{"path": file["path"], "uploadMode": "regular", "shouldIgnore": False, "oid": None} for file in files]
+        return 200, {"files": answer}
+
+    def commit(self, body: bytes, repo: str, revision: str) -> tuple:
+        if repo not in self.repos:
+            return self.repo_not_found(repo)
+        stored = self.repos[repo]
+        if revision not in stored.branches:
+            return self.revision_not_found(revision)
+        if self.commit_refusal is not None:
+            status, reason = self.commit_refusal
+            return status, {"error": reason}
+        files = dict(stored.branches[revision])  # a commit lands whole or not at all
+        summary = ""
+        for line in body.splitlines():
+            if not line.strip():
+                continue
+            item = json.loads(line)
+            key, value = item["key"], item["value"]
+            if key == "header":
+                summary = value["summary"]
+            elif key == "file" and value.get("encoding") == "base64":
+                files[value["path"]] = base64.b64decode(value["content"])
+            elif key == "deletedFile":
+                files.pop(value["path"], None)
+            else:
+                return 400, {"error": f"the stand-in does not handle commit operation {key!r}"}
+        stored.branches[revision] = files
+        stored.commits[revision].append(summary)
+        oid = self.head(repo, revision)
+        return 200, {"commitUrl": f"{self.endpoint}/{repo}/commit/{oid}", "commitOid": oid, "pullRequestUrl": None}
+
+    def repo_info(self, body: bytes, repo: str, revision: str | None = None) -> tuple:
+        if repo not in self.repos:
+            return self.repo_not_found(repo)
+        stored = self.repos[repo]
+        revision = revision or "main"
+        if revision not in stored.branches:
+            return self.revision_not_found(revision)
+        siblings = [{"rfilename": path} for path in sorted(stored.branches[revision])]
+        return 200, {"id": repo, "sha": self.head(repo, revision), "private": stored.private, "siblings": siblings}
+
+    def head(self, repo: str, revision: str) -> str:
+        """A stable 40-hex commit id for the branch's history so far."""
+        history = json.dumps([repo, revision, self.repos[repo].commits[revision]]).encode()
+        return hashlib.sha1(history).hexdigest()
