@@ -1,0 +1,75 @@
+"""`recipes/cram.py --push-to-hub`: the finished model, its card and intermediate revisions reach the Hub (a local
+stand-in for its HTTP API); with no Hub reachable, the run still leaves its complete local checkpoint."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hub_standin import HubStandIn
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "cram.py"
+TOKEN = "hf_recipe_secret_0123456789"
+RUN = ["--preset", "tiny", "--max-steps", "2", "--micro-batch-size", "8", "--target-batch-size", "16"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, embedded_corpus) -> dict[str, str]:
+    environment = {**os.environ, "CRAM_CACHE": str(tmp_path_factory.mktemp("cache")),
+                   "TOKENIZERS_PARALLELISM": "false", "HF_TOKEN": TOKEN}
+    environment.pop("HF_HUB_OFFLINE", None)
+    return environment
+
+
+@pytest.mark.slow
+def test_the_final_model_and_each_checkpoint_are_pushed_privately_with_a_card(tmp_path, env):
+    with HubStandIn(token=TOKEN) as hub:
+        command = [sys.executable, RECIPE, *RUN, "--output-dir", tmp_path, "--push-to-hub", "lab/crammed-tiny",
+                   "--checkpoint-every", "1", "--push-checkpoints"]
+        completed = subprocess.run(command, env={**env, "HF_ENDPOINT": hub.endpoint}, capture_output=True,
+                                   text=True, timeout=300)
+        assert completed.returncode == 0, completed.stderr[-3000:]
+        assert hub.unknown_routes == []
+        stored = hub.repos["lab/crammed-tiny"]
+    assert stored.private
+    final = stored.branches["main"]
+    assert {"config.json", "model.safetensors", "tokenizer.json", "cram_options.json", "README.md"} <= final.keys()
+    assert final["model.safetensors"] == (tmp_path / "final" / "model.safetensors").read_bytes()
+    card = final["README.md"].decode()
+    assert "lab/crammed-tiny" in card and "AutoModelForMaskedLM" in card and "1 × CPU" in card
+    assert {"step-00000001", "step-00000002"} <= stored.branches.keys()
+    assert "model.safetensors" in stored.branches["step-00000001"]
+    assert TOKEN not in completed.stdout + completed.stderr
+    assert f"pushed to the Hub: {hub.endpoint}/lab/crammed-tiny" in completed.stdout
+
+
+@pytest.mark.slow
+def test_with_no_hub_reachable_the_local_checkpoint_is_complete_and_the_error_is_one_sentence(tmp_path, env):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # nothing listens there once the probe closes
+    command = [sys.executable, RECIPE, *RUN, "--output-dir", tmp_path, "--push-to-hub", "lab/crammed-tiny"]
+    completed = subprocess.run(command, env={**env, "HF_ENDPOINT": f"http://127.0.0.1:{port}"},
+                               capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 2
+    last_line = completed.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("error: could not reach the Hugging Face Hub")
+    assert f"python -m cram.hub {tmp_path / 'final'} lab/crammed-tiny" in last_line
+    assert "Traceback" not in completed.stderr
+    assert {"model.safetensors", "config.json", "README.md", "cram_options.json"} <= {
+        path.name for path in (tmp_path / "final").iterdir()}
+    assert (tmp_path / "summary.json").exists()
+
+
+def test_a_bad_repository_name_is_refused_before_training(tmp_path, env):
+    command = [sys.executable, RECIPE, *RUN, "--output-dir", tmp_path / "run", "--push-to-hub", "no-slash"]
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 2 and completed.stderr.startswith("error: ")
+    assert len(completed.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
