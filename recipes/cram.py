@@ -162,7 +162,6 @@ def describe_data(data: PreparedData) -> str:
     return line
 
 
-
 def main() -> None:
     # Parse: everything a user can get wrong is checked before any step runs.
     training, implementation = parse_options()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,3 +23,21 @@ def english_texts(embedded_corpus: Path) -> list[str]:
     """A few hundred real English documents for tests that write their own small files."""
     with open(embedded_corpus, encoding="utf-8") as file:
         return [json.loads(line)["text"] for _, line in zip(range(600), file, strict=False)]
+
+
+@pytest.fixture(scope="session")
+def cram_cache(tmp_path_factory, embedded_corpus: Path) -> Path:
+    """One data cache for every recipe run of the session, so the embedded set is prepared once, not per module.
+
+    It starts with a copy of the embedded corpus from the user's cache, where `embedded_corpus` built it.
+    """
+    cache = tmp_path_factory.mktemp("cram-cache")
+    (cache / "embedded").mkdir()
+    shutil.copy(embedded_corpus, cache / "embedded" / embedded_corpus.name)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def recipe_env(cram_cache: Path) -> dict[str, str]:
+    """The environment recipe subprocesses run in: the session's data cache, no tokenizer thread warnings."""
+    return {**os.environ, "CRAM_CACHE": str(cram_cache), "TOKENIZERS_PARALLELISM": "false"}

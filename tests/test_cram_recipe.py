@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,24 +19,14 @@ RECIPE = REPO / "recipes" / "cram.py"
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 
 
-def recipe_env(cache_dir: Path) -> dict[str, str]:
-    return {**os.environ, "CRAM_CACHE": str(cache_dir), "TOKENIZERS_PARALLELISM": "false"}
-
-
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory, embedded_corpus) -> Path:
-    """One data cache for this module, so the prepared embedded set is built once and reused."""
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(scope="module")
-def crammed_run(tmp_path_factory, cache_dir) -> Path:
+def crammed_run(tmp_path_factory, recipe_env) -> Path:
     output_dir = tmp_path_factory.mktemp("run")
     command = [
         ACCELERATE, "launch", "-q", "--config_file", REPO / "accel_configs" / "cpu.yaml", RECIPE,
         "--preset", "tiny", "--budget", "30s", "--output-dir", output_dir, "--log-every", "5",
     ]
-    completed = subprocess.run(command, env=recipe_env(cache_dir), capture_output=True, text=True, timeout=300)
+    completed = subprocess.run(command, env=recipe_env, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert f"checkpoint: {output_dir / 'final'}" in completed.stdout
     return output_dir
@@ -91,10 +80,10 @@ def test_the_checkpoint_is_a_plain_hugging_face_model(crammed_run):
         (["--budgett", "3s"], "unknown option --budgett"),
     ],
 )
-def test_bad_input_gets_one_sentence_and_leaves_no_checkpoint(tmp_path, cache_dir, arguments, message):
+def test_bad_input_gets_one_sentence_and_leaves_no_checkpoint(tmp_path, recipe_env, arguments, message):
     output_dir = tmp_path / "run"
     command = [sys.executable, RECIPE, "--preset", "tiny", "--budget", "5s", "--output-dir", output_dir, *arguments]
-    completed = subprocess.run(command, env=recipe_env(cache_dir), capture_output=True, text=True, timeout=120)
+    completed = subprocess.run(command, env=recipe_env, capture_output=True, text=True, timeout=120)
     assert completed.returncode == 2
     assert completed.stderr.startswith("error: ") and message in completed.stderr
     assert "Traceback" not in completed.stderr and len(completed.stderr.strip().splitlines()) == 1
@@ -102,7 +91,7 @@ def test_bad_input_gets_one_sentence_and_leaves_no_checkpoint(tmp_path, cache_di
 
 
 @pytest.mark.slow
-def test_the_recipe_trains_on_a_set_made_by_prepare_data(tmp_path, cache_dir, english_texts):
+def test_the_recipe_trains_on_a_set_made_by_prepare_data(tmp_path, recipe_env, english_texts):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "docs.txt").write_text("\n\n".join(english_texts[:400]))
@@ -110,12 +99,12 @@ def test_the_recipe_trains_on_a_set_made_by_prepare_data(tmp_path, cache_dir, en
     subprocess.run(
         [sys.executable, REPO / "recipes" / "prepare_data.py", corpus, "--output-dir", prepared, "--vocab-size", "2048",
          "--progress", "false"],
-        env=recipe_env(cache_dir), check=True, capture_output=True, timeout=300,
+        env=recipe_env, check=True, capture_output=True, timeout=300,
     )
     output_dir = tmp_path / "run"
     command = [sys.executable, RECIPE, "--preset", "tiny", "--budget", "5s", "--data", prepared,
                "--micro-batch-size", "8", "--target-batch-size", "16", "--output-dir", output_dir]
-    completed = subprocess.run(command, env=recipe_env(cache_dir), capture_output=True, text=True, timeout=300)
+    completed = subprocess.run(command, env=recipe_env, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
     options = json.loads((output_dir / "final" / "cram_options.json").read_text())
     assert Path(options["resolved"]["data"]) == prepared
@@ -130,11 +119,11 @@ def test_help_lists_every_option_once():
 
 
 @pytest.mark.slow
-def test_a_compiled_run_saves_a_plain_checkpoint(tmp_path, cache_dir):
+def test_a_compiled_run_saves_a_plain_checkpoint(tmp_path, recipe_env):
     output_dir = tmp_path / "run"
     command = [sys.executable, RECIPE, "--preset", "tiny", "--budget", "5s", "--compile", "true",
                "--output-dir", output_dir]
-    completed = subprocess.run(command, env=recipe_env(cache_dir), capture_output=True, text=True, timeout=300)
+    completed = subprocess.run(command, env=recipe_env, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
     summary = json.loads((output_dir / "summary.json").read_text())
     assert summary["optimizer_steps"] >= 1
@@ -145,12 +134,12 @@ def test_a_compiled_run_saves_a_plain_checkpoint(tmp_path, cache_dir):
 
 
 @pytest.mark.slow
-def test_two_processes_train_together_and_stop_together(tmp_path, cache_dir):
+def test_two_processes_train_together_and_stop_together(tmp_path, recipe_env):
     # torchrun starts two CPU processes (DDP over gloo); they share rank 0's clock, so both stop on the same step.
     output_dir = tmp_path / "run"
     command = [Path(sys.executable).with_name("torchrun"), "--nproc_per_node", "2", RECIPE, "--preset", "tiny",
                "--budget", "10s", "--micro-batch-size", "16", "--output-dir", output_dir]
-    completed = subprocess.run(command, env=recipe_env(cache_dir), capture_output=True, text=True, timeout=300)
+    completed = subprocess.run(command, env=recipe_env, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
     options = json.loads((output_dir / "final" / "cram_options.json").read_text())
     assert options["resolved"]["num_processes"] == 2 and options["resolved"]["full_accumulation"] == 8

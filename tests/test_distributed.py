@@ -22,22 +22,17 @@ RUN = ["--preset", "tiny", "--max-steps", "4", "--target-batch-size", "64", "--p
 LOSS_TOLERANCE = 1e-4
 
 
-@pytest.fixture(scope="module")
-def env(tmp_path_factory, embedded_corpus) -> dict[str, str]:
-    return {**os.environ, "CRAM_CACHE": str(tmp_path_factory.mktemp("cache")), "TOKENIZERS_PARALLELISM": "false"}
-
-
-def launch(config: Path | str, output_dir: Path, env: dict, *launcher_options) -> subprocess.CompletedProcess:
+def launch(config: Path | str, output_dir: Path, recipe_env: dict, *launcher_options) -> subprocess.CompletedProcess:
     command = [ACCELERATE, "launch", "-q", "--config_file", config, *launcher_options, RECIPE, *RUN,
                "--micro-batch-size", "8", "--output-dir", output_dir]
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    return subprocess.run(command, cwd=REPO, env=recipe_env, capture_output=True, text=True, timeout=400)
 
 
 @pytest.fixture(scope="module")
-def single_process(tmp_path_factory, env) -> Path:
+def single_process(tmp_path_factory, recipe_env) -> Path:
     output_dir = tmp_path_factory.mktemp("single")
     command = [sys.executable, RECIPE, *RUN, "--micro-batch-size", "16", "--output-dir", output_dir]
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    completed = subprocess.run(command, env=recipe_env, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
     return output_dir
 
@@ -49,9 +44,9 @@ def single_process(tmp_path_factory, env) -> Path:
      ("cpu-zero3", "DEEPSPEED", 0.5), ("cpu-zero3-offload", "DEEPSPEED", 0.5)],
 )
 def test_two_processes_match_one_process_of_the_same_global_batch(
-    tmp_path, env, single_process, config, distributed_type, held
+    tmp_path, recipe_env, single_process, config, distributed_type, held
 ):
-    completed = launch(REPO / "accel_configs" / f"{config}.yaml", tmp_path, env)
+    completed = launch(REPO / "accel_configs" / f"{config}.yaml", tmp_path, recipe_env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     options = json.loads((tmp_path / "final" / "cram_options.json").read_text())["resolved"]
     assert options["num_processes"] == 2 and options["distributed_type"] == f"DistributedType.{distributed_type}"
@@ -71,23 +66,24 @@ def test_two_processes_match_one_process_of_the_same_global_batch(
         torch.testing.assert_close(tensor, reference_weights[name], atol=1e-4, rtol=0, msg=name)
 
 
-def test_more_processes_than_cpu_cores_is_refused_before_any_step(tmp_path, env):
+def test_more_processes_than_cpu_cores_is_refused_before_any_step(tmp_path, recipe_env):
     too_many = (os.cpu_count() or 1) + 1
-    completed = launch(REPO / "accel_configs" / "cpu-ddp.yaml", tmp_path / "run", env, "--num_processes", str(too_many))
+    config = REPO / "accel_configs" / "cpu-ddp.yaml"
+    completed = launch(config, tmp_path / "run", recipe_env, "--num_processes", str(too_many))
     assert completed.returncode != 0
     errors = [line for line in completed.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and f"starts {too_many} processes" in errors[0] and "num_processes" in errors[0]
     assert not (tmp_path / "run").exists()
 
 
-def test_a_deepspeed_json_that_conflicts_with_the_recipes_batch_is_refused(tmp_path, env):
+def test_a_deepspeed_json_that_conflicts_with_the_recipes_batch_is_refused(tmp_path, recipe_env):
     ds_config = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
     ds_config["train_batch_size"] = 4096
     (tmp_path / "zero2.json").write_text(json.dumps(ds_config))
     launch_config = (REPO / "accel_configs" / "cpu-zero2.yaml").read_text()
     launch_config = launch_config.replace("ds_configs/zero2.json", str(tmp_path / "zero2.json"))
     (tmp_path / "launch.yaml").write_text(launch_config)
-    completed = launch(tmp_path / "launch.yaml", tmp_path / "run", env)
+    completed = launch(tmp_path / "launch.yaml", tmp_path / "run", recipe_env)
     assert completed.returncode != 0
     errors = [line for line in completed.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [

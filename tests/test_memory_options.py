@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -72,12 +71,11 @@ def test_activation_checkpointing_recomputes_layers_and_leaves_the_gradients_unc
 
 
 @pytest.mark.slow
-def test_the_recipe_trains_with_both_memory_options(tmp_path, embedded_corpus):
-    env = {**os.environ, "CRAM_CACHE": str(tmp_path / "cache"), "TOKENIZERS_PARALLELISM": "false"}
+def test_the_recipe_trains_with_both_memory_options(tmp_path, recipe_env):
     command = [sys.executable, REPO / "recipes" / "cram.py", "--preset", "tiny", "--max-steps", "3",
                "--micro-batch-size", "8", "--target-batch-size", "16", "--optimizer", "adamw-8bit",
                "--activation-checkpointing", "true", "--output-dir", tmp_path / "run"]
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    completed = subprocess.run(command, env=recipe_env, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
     options = json.loads((tmp_path / "run" / "final" / "cram_options.json").read_text())
     assert options["training"]["optimizer"] == "adamw-8bit"

@@ -3,14 +3,12 @@ stand-in for its HTTP API); with no Hub reachable, the run still leaves its comp
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
 from hub_standin import HubStandIn
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,9 +18,8 @@ RUN = ["--preset", "tiny", "--max-steps", "2", "--micro-batch-size", "8", "--tar
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory, embedded_corpus) -> dict[str, str]:
-    environment = {**os.environ, "CRAM_CACHE": str(tmp_path_factory.mktemp("cache")),
-                   "TOKENIZERS_PARALLELISM": "false", "HF_TOKEN": TOKEN}
+def env(recipe_env) -> dict[str, str]:
+    environment = {**recipe_env, "HF_TOKEN": TOKEN}
     environment.pop("HF_HUB_OFFLINE", None)
     return environment
 

@@ -26,32 +26,29 @@ def recipe(output_dir: Path, *extra) -> list:
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory, embedded_corpus) -> dict[str, str]:
-    return {**os.environ, "CRAM_CACHE": str(tmp_path_factory.mktemp("cache")), "TOKENIZERS_PARALLELISM": "false"}
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, env) -> dict:
+def uninterrupted(tmp_path_factory, recipe_env) -> dict:
     output_dir = tmp_path_factory.mktemp("whole")
-    completed = subprocess.run(recipe(output_dir), env=env, capture_output=True, text=True, timeout=300)
+    completed = subprocess.run(recipe(output_dir), env=recipe_env, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
     return json.loads((output_dir / "summary.json").read_text())
 
 
-def start_and_stop(output_dir: Path, env: dict, once_saved: str, how: int) -> subprocess.CompletedProcess:
-    """Start the run, wait until checkpoint `once_saved` is complete, then send `how` (SIGTERM or SIGKILL)."""
-    process = subprocess.Popen(recipe(output_dir), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def start_and_stop(output_dir: Path, env: dict, once_saved: str, how: int, *extra) -> subprocess.CompletedProcess:
+    """Start the run, wait until checkpoint `once_saved` is complete, then send `how` to its whole process group,
+    as a scheduler's preemption or Ctrl-C in a terminal does (data loader workers included)."""
+    process = subprocess.Popen(recipe(output_dir, *extra), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
     marker = output_dir / "checkpoints" / once_saved / STATE_FILE
     deadline = time.monotonic() + 240
     while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    process.send_signal(how)
+    os.killpg(process.pid, how)
     stdout, stderr = process.communicate(timeout=120)
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
-def resume(output_dir: Path, env: dict) -> dict:
-    completed = subprocess.run(recipe(output_dir, "--resume", "auto"), env=env, capture_output=True, text=True,
+def resume(output_dir: Path, recipe_env: dict) -> dict:
+    completed = subprocess.run(recipe(output_dir, "--resume", "auto"), env=recipe_env, capture_output=True, text=True,
                                timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "resuming from" in completed.stdout
@@ -67,30 +64,31 @@ def assert_same_curve(resumed: dict, whole: dict) -> None:
 
 
 @pytest.mark.slow
-def test_sigterm_saves_a_final_state_and_the_resumed_run_reproduces_the_loss_curve(tmp_path, env, uninterrupted):
+def test_sigterm_saves_a_final_state_and_the_resumed_run_reproduces_the_loss_curve(tmp_path, recipe_env, uninterrupted):
     output_dir = tmp_path / "run"
-    stopped = start_and_stop(output_dir, env, "step-00000004", signal.SIGTERM)
+    # With a data loader worker, which receives the signal too and must leave the stop to the training process.
+    stopped = start_and_stop(output_dir, recipe_env, "step-00000004", signal.SIGTERM, "--num-workers", "1")
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
     assert "--resume auto" in stopped.stderr and "Traceback" not in stopped.stderr
     assert not (output_dir / "final").exists()
     newest = complete_checkpoints(output_dir / "checkpoints")[-1]
     stopped_at = json.loads((newest / STATE_FILE).read_text())["state"]["optimizer_steps"]
     assert 4 <= stopped_at < 24  # the state written on SIGTERM, at the step boundary after the signal
-    resumed = resume(output_dir, env)
+    resumed = resume(output_dir, recipe_env)
     assert resumed["resumed_from"] == str(newest)
     assert_same_curve(resumed, uninterrupted)
 
 
 @pytest.mark.slow
-def test_a_run_killed_outright_resumes_from_its_last_complete_checkpoint(tmp_path, env, uninterrupted):
+def test_a_run_killed_outright_resumes_from_its_last_complete_checkpoint(tmp_path, recipe_env, uninterrupted):
     output_dir = tmp_path / "run"
-    killed = start_and_stop(output_dir, env, "step-00000008", signal.SIGKILL)
+    killed = start_and_stop(output_dir, recipe_env, "step-00000008", signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL
     # A save cut short leaves a .tmp folder; it must never be taken for a checkpoint.
     (output_dir / "checkpoints" / "step-00000099.tmp").mkdir()
     saved = complete_checkpoints(output_dir / "checkpoints")
     assert saved and len(saved) <= 2  # only the newest --keep-checkpoints are kept
-    resumed = resume(output_dir, env)
+    resumed = resume(output_dir, recipe_env)
     assert resumed["resumed_from"] == str(saved[-1])
     assert_same_curve(resumed, uninterrupted)
     assert len(complete_checkpoints(output_dir / "checkpoints")) == 2
@@ -102,12 +100,12 @@ def test_a_run_killed_outright_resumes_from_its_last_complete_checkpoint(tmp_pat
     "change, message",
     [(["--lr", "2e-3"], "training.lr"), (["--preset", "small", "--micro-batch-size", "16"], "training.preset")],
 )
-def test_resuming_a_different_run_is_refused_before_any_step(tmp_path, env, change, message):
+def test_resuming_a_different_run_is_refused_before_any_step(tmp_path, recipe_env, change, message):
     output_dir = tmp_path / "run"
-    stopped = start_and_stop(output_dir, env, "step-00000004", signal.SIGTERM)
+    stopped = start_and_stop(output_dir, recipe_env, "step-00000004", signal.SIGTERM)
     assert stopped.returncode == 128 + signal.SIGTERM
     before = sorted(path.name for path in (output_dir / "checkpoints").iterdir())
-    completed = subprocess.run(recipe(output_dir, "--resume", "auto", *change), env=env, capture_output=True,
+    completed = subprocess.run(recipe(output_dir, "--resume", "auto", *change), env=recipe_env, capture_output=True,
                                text=True, timeout=300)
     assert completed.returncode == 2
     assert completed.stderr.startswith("error: cannot resume") and message in completed.stderr
@@ -116,10 +114,10 @@ def test_resuming_a_different_run_is_refused_before_any_step(tmp_path, env, chan
     assert not (output_dir / "final").exists()
 
 
-def test_starting_afresh_over_a_runs_checkpoints_is_refused(tmp_path, env):
+def test_starting_afresh_over_a_runs_checkpoints_is_refused(tmp_path, recipe_env):
     checkpoint = tmp_path / "run" / "checkpoints" / "step-00000004"
     checkpoint.mkdir(parents=True)
     (checkpoint / STATE_FILE).write_text("{}")
-    completed = subprocess.run(recipe(tmp_path / "run"), env=env, capture_output=True, text=True, timeout=300)
+    completed = subprocess.run(recipe(tmp_path / "run"), env=recipe_env, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 2 and "--resume auto" in completed.stderr
     assert len(completed.stderr.strip().splitlines()) == 1

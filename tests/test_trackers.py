@@ -3,26 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from wandb_history import config, history
 
 from cram.train.trackers import flatten_config
-from wandb_history import config, history
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "cram.py"
 RUN = ["--preset", "tiny", "--max-steps", "6", "--micro-batch-size", "16", "--target-batch-size", "32",
        "--log-every", "2"]
-
-
-@pytest.fixture(scope="module")
-def cache_env(tmp_path_factory, embedded_corpus) -> dict[str, str]:
-    return {**os.environ, "CRAM_CACHE": str(tmp_path_factory.mktemp("cache")), "TOKENIZERS_PARALLELISM": "false"}
 
 
 def run_recipe(output_dir: Path, env: dict, *extra: str) -> dict:
@@ -33,9 +27,9 @@ def run_recipe(output_dir: Path, env: dict, *extra: str) -> dict:
 
 
 @pytest.mark.slow
-def test_a_wandb_offline_run_holds_every_logged_row_and_the_resolved_options(tmp_path, cache_env):
+def test_a_wandb_offline_run_holds_every_logged_row_and_the_resolved_options(tmp_path, recipe_env):
     # WANDB_MODE=offline: no network, no account; wandb writes the run to WANDB_DIR/wandb/offline-run-*.
-    env = {**cache_env, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
+    env = {**recipe_env, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
     summary = run_recipe(tmp_path / "run", env, "--report-to", "wandb")
     run_files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(run_files) == 1
@@ -51,8 +45,8 @@ def test_a_wandb_offline_run_holds_every_logged_row_and_the_resolved_options(tmp
 
 
 @pytest.mark.slow
-def test_a_tensorboard_log_holds_the_loss_curve(tmp_path, cache_env):
-    summary = run_recipe(tmp_path / "run", cache_env, "--report-to", "tensorboard")
+def test_a_tensorboard_log_holds_the_loss_curve(tmp_path, recipe_env):
+    summary = run_recipe(tmp_path / "run", recipe_env, "--report-to", "tensorboard")
     event_files = list((tmp_path / "run").rglob("events.out.tfevents.*"))
     assert event_files
     scalars = {}

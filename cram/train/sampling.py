@@ -9,6 +9,7 @@ sees the same sequences whether it ran on one process or several.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -61,4 +62,16 @@ def stream_loader(
         collate_fn=collate_fn,
         num_workers=num_workers,
         pin_memory=pin_memory,
+        worker_init_fn=_ignore_stop_signals if num_workers else None,
     )
+
+
+def _ignore_stop_signals(worker_id: int) -> None:
+    """Workers leave SIGTERM/SIGINT to the training process.
+
+    A scheduler's SIGTERM, or Ctrl-C in a terminal, reaches the whole process group; a worker that died of it
+    would fail the next batch before the training process could save its state. Workers still stop when the
+    loader shuts down or the training process dies.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
