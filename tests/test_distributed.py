@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from cram.train.checkpoint import STATE_FILE, complete_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "cram.py"
@@ -22,10 +26,14 @@ RUN = ["--preset", "tiny", "--max-steps", "4", "--target-batch-size", "64", "--p
 LOSS_TOLERANCE = 1e-4
 
 
-def launch(config: Path | str, output_dir: Path, recipe_env: dict, *launcher_options) -> subprocess.CompletedProcess:
+def launch(
+    config: Path | str, output_dir: Path, env: dict, *options: str, after_recipe: bool = False
+) -> subprocess.CompletedProcess:
+    """`accelerate launch` the recipe on 2 processes; `options` go to the launcher (or the recipe: `after_recipe`)."""
+    launcher_options, recipe_options = ((), options) if after_recipe else (options, ())
     command = [ACCELERATE, "launch", "-q", "--config_file", config, *launcher_options, RECIPE, *RUN,
-               "--micro-batch-size", "8", "--output-dir", output_dir]
-    return subprocess.run(command, cwd=REPO, env=recipe_env, capture_output=True, text=True, timeout=400)
+               "--micro-batch-size", "8", "--output-dir", output_dir, *recipe_options]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +101,30 @@ def test_a_deepspeed_json_that_conflicts_with_the_recipes_batch_is_refused(tmp_p
     # torchrun appends its own report of the failed processes; none of them printed a traceback.
     assert 'recipes/cram.py", line' not in completed.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_zero3_run_stopped_by_sigterm_resumes_from_its_sharded_state(tmp_path, recipe_env, single_process):
+    # SIGTERM to the launcher's whole process group, as a scheduler's preemption sends it.
+    config = REPO / "accel_configs" / "cpu-zero3.yaml"
+    command = [ACCELERATE, "launch", "-q", "--config_file", config, RECIPE, *RUN, "--micro-batch-size", "8",
+               "--output-dir", tmp_path, "--checkpoint-every", "1"]
+    launcher = subprocess.Popen(command, cwd=REPO, env=recipe_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    first = tmp_path / "checkpoints" / "step-00000001" / STATE_FILE
+    deadline = time.monotonic() + 300
+    while not first.exists() and launcher.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    os.killpg(launcher.pid, signal.SIGTERM)
+    _, stderr = launcher.communicate(timeout=300)
+    assert "stopped by signal 15" in stderr
+    assert not (tmp_path / "final").exists()
+    stopped_at = int(complete_checkpoints(tmp_path / "checkpoints")[-1].name.split("-")[1])
+    assert stopped_at < 4
+    resumed = launch(config, tmp_path, recipe_env, "--checkpoint-every", "1", "--resume", "auto", after_recipe=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    reference = json.loads((single_process / "summary.json").read_text())
+    assert [row["step"] for row in summary["history"]] == [1, 2, 3, 4]
+    for mine, theirs in zip(summary["history"], reference["history"], strict=True):
+        assert mine["loss"] == pytest.approx(theirs["loss"], abs=LOSS_TOLERANCE)
