@@ -1,0 +1,55 @@
+"""Finding, naming and validating training-state checkpoints (the end-to-end resume lives in test_resume.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cram.errors import UserError
+from cram.train.checkpoint import STATE_FILE, Checkpointer, check_same_run, complete_checkpoints, find_checkpoint
+from cram.train.state import TrainState
+
+
+def make_checkpoint(directory, name, complete=True):
+    folder = directory / name
+    folder.mkdir(parents=True)
+    if complete:
+        (folder / STATE_FILE).write_text("{}")
+    return folder
+
+
+def test_only_complete_step_folders_count_newest_last_by_step_number(tmp_path):
+    make_checkpoint(tmp_path, "step-00000009")
+    newest = make_checkpoint(tmp_path, "step-00000010")
+    make_checkpoint(tmp_path, "step-00000011.tmp")  # a save cut short
+    make_checkpoint(tmp_path, "step-00000012", complete=False)  # its state file is written last
+    make_checkpoint(tmp_path, "final")
+    assert [path.name for path in complete_checkpoints(tmp_path)] == ["step-00000009", "step-00000010"]
+    assert find_checkpoint("auto", tmp_path) == newest
+    assert find_checkpoint("none", tmp_path) is None
+    assert find_checkpoint("auto", tmp_path / "nothing-here") is None
+
+
+def test_resuming_from_a_folder_that_is_not_a_checkpoint_is_one_sentence(tmp_path):
+    with pytest.raises(UserError, match="not a complete training checkpoint"):
+        find_checkpoint(str(tmp_path / "step-00000004"), tmp_path)
+
+
+def test_a_checkpoint_of_another_run_is_refused_with_every_difference_named(tmp_path):
+    saved = {"training": {"preset": "tiny", "lr": 1e-3}, "data": {"set": "abc", "blocks": 100}}
+    check_same_run(saved, {"training": {"preset": "tiny", "lr": 1e-3}, "data": {"set": "abc", "blocks": 100}}, "x")
+    with pytest.raises(UserError) as refused:
+        check_same_run(saved, {"training": {"preset": "tiny", "lr": 2e-3}, "data": {"set": "xyz", "blocks": 100}}, "x")
+    message = str(refused.value)
+    assert "training.lr: 0.001 then, 0.002 now" in message and "data.set: 'abc' then, 'xyz' now" in message
+    assert "preset" not in message
+
+
+def test_checkpoints_fall_due_by_step_or_by_time_never_twice_for_one_step():
+    checkpointer = Checkpointer(accelerator=None, directory="unused", run={}, every_steps=4)
+    assert not checkpointer.due(TrainState(optimizer_steps=0), time_due=True)
+    assert not checkpointer.due(TrainState(optimizer_steps=3), time_due=False)
+    assert checkpointer.due(TrainState(optimizer_steps=4), time_due=False)
+    assert checkpointer.due(TrainState(optimizer_steps=5), time_due=True)
+    checkpointer.last_saved_step = 8
+    assert not checkpointer.due(TrainState(optimizer_steps=8), time_due=True)
+    assert not Checkpointer(accelerator=None, directory="unused", run={}).time_due()  # no interval set
