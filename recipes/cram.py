@@ -35,10 +35,10 @@ from cram.train.checkpoint import (
     Checkpointer,
     check_same_run,
     complete_checkpoints,
+    export_model,
     find_checkpoint,
     load_checkpoint,
     read_checkpoint,
-    save_checkpoint,
 )
 from cram.train.loop import train
 from cram.train.optim import build_adamw
@@ -270,13 +270,9 @@ def main() -> None:
 
     def push_checkpoint_model(state: TrainState, saved: Path) -> None:
         """With --push-checkpoints: the model at this step, as a plain checkpoint, to the Hub revision step-N."""
-        state_dict = accelerator.get_state_dict(model)  # a collective under ZeRO-3
-        if not accelerator.is_main_process:
+        exported = export_model(accelerator, model, data.tokenizer, resolved, saved / "model")
+        if exported is None:  # not rank 0
             return
-        exported = save_checkpoint(
-            accelerator.unwrap_model(model, keep_torch_compile=False), data.tokenizer, resolved, saved / "model",
-            state_dict=state_dict,
-        )
         write_model_card(exported, model_card(state))
         try:
             push_checkpoint(exported, implementation.push_to_hub, private=not implementation.hub_public,
@@ -305,24 +301,13 @@ def main() -> None:
         preemption=preemption,
     )
     if not finished:
-        if checkpointer.last_saved_step != state.optimizer_steps:
-            checkpointer.save(state)
-        accelerator.end_training()
-        if accelerator.is_main_process:
-            print(
-                f"\nstopped by signal {preemption.signal} at step {state.optimizer_steps}: the training state is in "
-                f"{output_dir / 'checkpoints'}; continue with the same command and --resume auto",
-                file=sys.stderr,
-            )
-        sys.exit(preemption.exit_status)
+        checkpointer.stop(state, preemption)
 
     # Report: checkpoint, summary, Hub.
-    state_dict = accelerator.get_state_dict(model)  # gathers sharded weights (ZeRO-3, FSDP) on every process
+    checkpoint = export_model(accelerator, model, data.tokenizer, resolved, output_dir / "final")
     accelerator.end_training()
-    if not accelerator.is_main_process:
+    if checkpoint is None:  # not rank 0
         return
-    model = accelerator.unwrap_model(model, keep_torch_compile=False)
-    checkpoint = save_checkpoint(model, data.tokenizer, resolved, output_dir / "final", state_dict=state_dict)
     summary = {
         "optimizer_steps": state.optimizer_steps,
         "sequences": state.sequences,

@@ -10,14 +10,18 @@ import dataclasses
 import json
 import re
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
+import torch
 from accelerate import Accelerator
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from cram.errors import UserError
+from cram.train.preemption import Preemption
 from cram.train.state import TrainState
 
 OPTIONS_FILE = "cram_options.json"
@@ -56,6 +60,21 @@ def save_checkpoint(
     (staging / OPTIONS_FILE).write_text(json.dumps(options, indent=2, default=str) + "\n")
     _replace_atomically(staging, directory)
     return directory
+
+
+def export_model(
+    accelerator: Accelerator, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, options: dict,
+    directory: str | Path,
+) -> Path | None:
+    """Save the prepared `model` as a plain Hugging Face checkpoint from rank 0; its path there, None elsewhere.
+
+    Every process must call it: under ZeRO-3 or FSDP, gathering the full weights is a collective.
+    """
+    state_dict = accelerator.get_state_dict(model)
+    if not accelerator.is_main_process:
+        return None
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    return save_checkpoint(unwrapped, tokenizer, options, directory, state_dict=state_dict)
 
 
 class Checkpointer:
@@ -111,6 +130,19 @@ class Checkpointer:
         self.last_saved_step = state.optimizer_steps
         self._last_saved_at = time.monotonic()
         return target
+
+    def stop(self, state: TrainState, preemption: Preemption) -> NoReturn:
+        """After a stop signal: save the state (unless this step's is saved), say how to go on, exit 128 + signal."""
+        if self.last_saved_step != state.optimizer_steps:
+            self.save(state)
+        self.accelerator.end_training()
+        if self.accelerator.is_main_process:
+            print(
+                f"\nstopped by signal {preemption.signal} at step {state.optimizer_steps}: the training state is in "
+                f"{self.directory}; continue with the same command and --resume auto",
+                file=sys.stderr,
+            )
+        sys.exit(preemption.exit_status)
 
     def _prune(self) -> None:
         for stale in self.directory.glob("step-*.tmp"):
