@@ -247,7 +247,9 @@ def main() -> None:
             "data": str(data.path),
         },
     }
-    accelerator.init_trackers("cram", config=flatten_config(resolved))
+    # A resumed run keeps logging to the same wandb run (the id is saved in every checkpoint).
+    accelerator.init_trackers("cram", config=flatten_config(resolved),
+                              init_kwargs={"wandb": {"id": state.run_id, "resume": "allow"}})
     flops_per_token = crammed_bert_flops_per_token(
         config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.vocab_size,
         config.max_position_embeddings, config.sparse_prediction,

@@ -30,7 +30,7 @@ def run_recipe(output_dir: Path, env: dict, *extra: str) -> dict:
 def test_a_wandb_offline_run_holds_every_logged_row_and_the_resolved_options(tmp_path, recipe_env):
     # WANDB_MODE=offline: no network, no account; wandb writes the run to WANDB_DIR/wandb/offline-run-*.
     env = {**recipe_env, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
-    summary = run_recipe(tmp_path / "run", env, "--report-to", "wandb")
+    summary = run_recipe(tmp_path / "run", env, "--report-to", "wandb", "--checkpoint-every", "3")
     run_files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(run_files) == 1
     logged = history(run_files[0])
@@ -42,6 +42,13 @@ def test_a_wandb_offline_run_holds_every_logged_row_and_the_resolved_options(tmp
     options = config(run_files[0])
     assert options["training/preset"] == "tiny" and options["training/max_steps"] == 6
     assert options["resolved/num_processes"] == 1
+
+    # Resumed from its step-3 state, the run logs steps 4 to 6 again, to the same wandb run.
+    run_recipe(tmp_path / "run", env, "--report-to", "wandb", "--checkpoint-every", "3",
+               "--resume", str(tmp_path / "run" / "checkpoints" / "step-00000003"))
+    resumed = [path for path in (tmp_path / "wandb").glob("offline-run-*/run-*.wandb") if path != run_files[0]]
+    assert len(resumed) == 1 and resumed[0].name == run_files[0].name  # run-<id>.wandb: the same run id
+    assert [row["step"] for row in history(resumed[0])] == [4, 6]
 
 
 @pytest.mark.slow

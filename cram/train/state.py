@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 
 
@@ -12,6 +13,7 @@ class TrainState:
     tokens: int = 0
     elapsed: float = 0.0  # seconds of training across every session of the run: the budget clock continues here
     history: list[dict] = field(default_factory=list)  # one row per logged step
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # one tracker run across resumptions
 
     @property
     def tokens_per_second(self) -> float:
