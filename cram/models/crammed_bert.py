@@ -129,7 +129,9 @@ class CrammedBertEmbeddings(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.word_embeddings(input_ids) + self.positions(input_ids.shape[1])
+        words = self.word_embeddings(input_ids)
+        # The position table is a buffer: engines that cast parameters to bf16 (DeepSpeed) may leave it in fp32.
+        hidden = words + self.positions(input_ids.shape[1]).to(words.dtype)
         return self.dropout(self.LayerNorm(hidden))
 
 

@@ -74,6 +74,16 @@ def check_process_count(device_type: str) -> None:
         )
 
 
+def use_cpu_cores() -> None:
+    """Share the cores this process may run on among the machine's training processes.
+
+    `accelerate launch` sets OMP_NUM_THREADS=1 unless the launch config says `use_cpu`, so a GPU config that falls
+    back to the CPU (1gpu.yaml on a laptop) would train on one thread.
+    """
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_processes))
+
+
 def build_accelerator(precision: str, log_with: str | None, project_dir: str) -> Accelerator:
     """The Accelerator for the launch config's choice of DDP, DeepSpeed or FSDP, on GPUs or the CPU.
 
@@ -82,6 +92,8 @@ def build_accelerator(precision: str, log_with: str | None, project_dir: str) ->
     """
     device_type = launch_device_type()
     check_process_count(device_type)
+    if device_type == "cpu":
+        use_cpu_cores()
     deepspeed = parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
     handlers = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and device_type == "cpu" else []
     return Accelerator(
