@@ -50,6 +50,7 @@ from cram.train.runtime import (
     enable_tf32,
     parameter_counts,
     resolve_compile,
+    shut_down,
 )
 from cram.train.sampling import stream_loader
 from cram.train.state import TrainState
@@ -288,6 +289,7 @@ def main() -> None:
         every_seconds=implementation.checkpoint_every_minutes * 60,
         keep=implementation.keep_checkpoints,
         on_save=push_checkpoint_model if implementation.push_checkpoints else None,
+        resumed_at=state.optimizer_steps if resume_from else None,
     )
     preemption = Preemption().install()
     clock = StepClock(training.max_steps) if training.max_steps else BudgetClock(budget_seconds)
@@ -307,16 +309,28 @@ def main() -> None:
 
     # Report: checkpoint, summary, Hub.
     checkpoint = export_model(accelerator, model, data.tokenizer, resolved, output_dir / "final")
-    accelerator.end_training()
-    if checkpoint is None:  # not rank 0
-        return
+    if checkpoint is not None:  # rank 0
+        write_summary(state, checkpoint, output_dir, len(data.dataset), flops_per_token, parameters, parameters_held,
+                      resume_from)
+        write_model_card(checkpoint, model_card(state))
+    shut_down(accelerator)
+    if checkpoint is not None and implementation.push_to_hub:  # a failed push loses nothing: all is written
+        url = push_checkpoint(checkpoint, implementation.push_to_hub, private=not implementation.hub_public)
+        print(f"pushed to the Hub: {url}")
+
+
+def write_summary(
+    state: TrainState, checkpoint: Path, output_dir: Path, blocks: int, flops_per_token: float, parameters: int,
+    parameters_held: int, resume_from: Path | None,
+) -> None:
+    """OUTPUT_DIR/summary.json, and the run's last words on the console."""
     summary = {
         "optimizer_steps": state.optimizer_steps,
         "sequences": state.sequences,
         "tokens": state.tokens,
         "seconds": round(state.elapsed, 1),
         "tokens_per_second": round(state.tokens_per_second, 1),
-        "epochs": state.sequences // len(data.dataset),
+        "epochs": state.sequences // blocks,
         "first_loss": state.first_loss,
         "final_loss": state.final_loss,
         "flops_per_token": flops_per_token,
@@ -329,7 +343,6 @@ def main() -> None:
         "history": state.history,
     }
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    write_model_card(checkpoint, model_card(state))
     print(
         f"\ntrained {state.optimizer_steps} steps, {state.tokens:,} tokens in {state.elapsed:.0f} s "
         f"({state.tokens_per_second:,.0f} tokens/s, {summary['epochs']} full pass(es) over the data); "
@@ -341,9 +354,6 @@ def main() -> None:
         f"    model = AutoModelForMaskedLM.from_pretrained({str(checkpoint)!r})\n"
         f"    tokenizer = AutoTokenizer.from_pretrained({str(checkpoint)!r})"
     )
-    if implementation.push_to_hub:  # after the local checkpoint is complete: a failed push loses nothing
-        url = push_checkpoint(checkpoint, implementation.push_to_hub, private=not implementation.hub_public)
-        print(f"pushed to the Hub: {url}")
 
 
 def device_name(device: torch.device) -> str:

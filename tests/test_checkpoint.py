@@ -53,3 +53,5 @@ def test_checkpoints_fall_due_by_step_or_by_time_never_twice_for_one_step():
     checkpointer.last_saved_step = 8
     assert not checkpointer.due(TrainState(optimizer_steps=8), time_due=True)
     assert not Checkpointer(accelerator=None, directory="unused", run={}).time_due()  # no interval set
+    resumed = Checkpointer(accelerator=None, directory="unused", run={}, every_steps=4, resumed_at=4)
+    assert not resumed.due(TrainState(optimizer_steps=4), time_due=True)  # the state it was loaded from

@@ -22,6 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from cram.errors import UserError
 from cram.train.preemption import Preemption
+from cram.train.runtime import shut_down
 from cram.train.state import TrainState
 
 OPTIONS_FILE = "cram_options.json"
@@ -88,7 +89,7 @@ class Checkpointer:
     def __init__(
         self, accelerator: Accelerator, directory: str | Path, run: dict, *,
         every_steps: int = 0, every_seconds: float = 0.0, keep: int = 2,
-        on_save: Callable[[TrainState, Path], None] | None = None,
+        on_save: Callable[[TrainState, Path], None] | None = None, resumed_at: int | None = None,
     ):
         self.accelerator = accelerator
         self.directory = Path(directory)
@@ -97,7 +98,7 @@ class Checkpointer:
         self.every_seconds = every_seconds
         self.keep = keep
         self.on_save = on_save  # called on every process after each save, e.g. to push the model to the Hub
-        self.last_saved_step: int | None = None
+        self.last_saved_step = resumed_at  # the step a resumed run starts from is saved already
         self._last_saved_at = time.monotonic()
 
     def time_due(self) -> bool:
@@ -135,7 +136,7 @@ class Checkpointer:
         """After a stop signal: save the state (unless this step's is saved), say how to go on, exit 128 + signal."""
         if self.last_saved_step != state.optimizer_steps:
             self.save(state)
-        self.accelerator.end_training()
+        shut_down(self.accelerator)
         if self.accelerator.is_main_process:
             print(
                 f"\nstopped by signal {preemption.signal} at step {state.optimizer_steps}: the training state is in "

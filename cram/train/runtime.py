@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -149,3 +150,15 @@ def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
             local = param.to_local()
         held += (local if local is not None else param).numel()
     return total, held
+
+
+def shut_down(accelerator: Accelerator) -> None:
+    """End a run on every process together: wait for all, finish the trackers, release the engines, end the group.
+
+    A process that left while another was still writing could take DeepSpeed's and gloo's threads down with it
+    mid-work (seen as "terminate called without an active exception" on a ZeRO-3 rank).
+    """
+    accelerator.wait_for_everyone()
+    accelerator.free_memory()
+    gc.collect()
+    accelerator.end_training()
