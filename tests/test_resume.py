@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,14 +64,24 @@ def assert_same_curve(resumed: dict, whole: dict) -> None:
     assert resumed["sequences"] == whole["sequences"] and resumed["tokens"] == whole["tokens"]
 
 
-@pytest.mark.slow
-def test_sigterm_saves_a_final_state_and_the_resumed_run_reproduces_the_loss_curve(tmp_path, recipe_env, uninterrupted):
-    output_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def stopped_by_sigterm(tmp_path_factory, recipe_env) -> tuple[Path, subprocess.CompletedProcess]:
+    """A run stopped by SIGTERM once its step-4 state is saved; tests that change it work on a copy."""
+    output_dir = tmp_path_factory.mktemp("stopped") / "run"
     # With a data loader worker, which receives the signal too and must leave the stop to the training process.
     stopped = start_and_stop(output_dir, recipe_env, "step-00000004", signal.SIGTERM, "--num-workers", "1")
+    return output_dir, stopped
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_final_state_and_the_resumed_run_reproduces_the_loss_curve(
+    tmp_path, recipe_env, uninterrupted, stopped_by_sigterm
+):
+    original, stopped = stopped_by_sigterm
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
     assert "--resume auto" in stopped.stderr and "Traceback" not in stopped.stderr
-    assert not (output_dir / "final").exists()
+    assert not (original / "final").exists()
+    output_dir = Path(shutil.copytree(original, tmp_path / "run"))
     newest = complete_checkpoints(output_dir / "checkpoints")[-1]
     stopped_at = json.loads((newest / STATE_FILE).read_text())["state"]["optimizer_steps"]
     assert 4 <= stopped_at < 24  # the state written on SIGTERM, at the step boundary after the signal
@@ -100,10 +111,8 @@ def test_a_run_killed_outright_resumes_from_its_last_complete_checkpoint(tmp_pat
     "change, message",
     [(["--lr", "2e-3"], "training.lr"), (["--preset", "small", "--micro-batch-size", "16"], "training.preset")],
 )
-def test_resuming_a_different_run_is_refused_before_any_step(tmp_path, recipe_env, change, message):
-    output_dir = tmp_path / "run"
-    stopped = start_and_stop(output_dir, recipe_env, "step-00000004", signal.SIGTERM)
-    assert stopped.returncode == 128 + signal.SIGTERM
+def test_resuming_a_different_run_is_refused_before_any_step(recipe_env, stopped_by_sigterm, change, message):
+    output_dir, _ = stopped_by_sigterm
     before = sorted(path.name for path in (output_dir / "checkpoints").iterdir())
     completed = subprocess.run(recipe(output_dir, "--resume", "auto", *change), env=recipe_env, capture_output=True,
                                text=True, timeout=300)
