@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch
+from accelerate import Accelerator
 from accelerate.utils import set_seed
 from transformers import HfArgumentParser
 
@@ -360,7 +361,7 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
 
 
-def describe_hardware(accelerator) -> str:
+def describe_hardware(accelerator: Accelerator) -> str:
     """E.g. "4 × NVIDIA A100-SXM4-80GB, DEEPSPEED ZeRO-3" or "1 × CPU"."""
     text = f"{accelerator.num_processes} × {device_name(accelerator.device)}"
     plugin = accelerator.state.deepspeed_plugin

@@ -12,6 +12,7 @@ import base64
 import hashlib
 import json
 import re
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -237,3 +238,10 @@ class HubStandIn:
         """A stable 40-hex commit id for the branch's history so far."""
         history = json.dumps([repo, revision, self.repos[repo].commits[revision]]).encode()
         return hashlib.sha1(history).hexdigest()
+
+
+def closed_port() -> int:
+    """A local port nothing listens on: an unreachable Hub."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]  # nothing listens once the probe closes

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from hub_standin import HubStandIn
+from hub_standin import HubStandIn, closed_port
 from huggingface_hub import constants
 
 from cram.data.tokenizer import train_wordpiece
@@ -80,12 +79,6 @@ def run_hub_cli(*arguments: str) -> int:
     except SystemExit as done:
         return int(done.code)
     return 0
-
-
-def closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]  # nothing listens once the probe closes
 
 
 def test_push_uploads_every_file_byte_identical_to_a_private_repo_with_its_card(hub, checkpoint):

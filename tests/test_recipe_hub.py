@@ -3,13 +3,12 @@ stand-in for its HTTP API); with no Hub reachable, the run still leaves its comp
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from hub_standin import HubStandIn
+from hub_standin import HubStandIn, closed_port
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "cram.py"
@@ -48,9 +47,7 @@ def test_the_final_model_and_each_checkpoint_are_pushed_privately_with_a_card(tm
 
 @pytest.mark.slow
 def test_with_no_hub_reachable_the_local_checkpoint_is_complete_and_the_error_is_one_sentence(tmp_path, env):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]  # nothing listens there once the probe closes
+    port = closed_port()
     command = [sys.executable, RECIPE, *RUN, "--output-dir", tmp_path, "--push-to-hub", "lab/crammed-tiny"]
     completed = subprocess.run(command, env={**env, "HF_ENDPOINT": f"http://127.0.0.1:{port}"},
                                capture_output=True, text=True, timeout=300)

@@ -32,7 +32,7 @@ class SerialBlocks(Dataset):
         return {"input_ids": rows, "serials": torch.tensor(serials, dtype=torch.long)}
 
     def __getitem__(self, serial: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.blocks[serial % len(self.blocks)][self.column], "serial": serial}
+        return {"input_ids": self.blocks[serial % len(self.blocks)][self.column], "serials": torch.tensor(serial)}
 
 
 class StreamSlices(Sampler[list[int]]):
