@@ -29,7 +29,7 @@ from cram.cli import option, parse_strictly
 from cram.data import DataOptions, PreparedData, is_prepared, load_prepared, prepare, prepared_path
 from cram.data.collator import MaskedLMCollator
 from cram.errors import UserError, run_cli
-from cram.hub import ModelCardFacts, check_repo_id, push_checkpoint, write_model_card
+from cram.hub import BackgroundPusher, ModelCardFacts, check_repo_id, push_checkpoint, write_model_card
 from cram.models.crammed_bert import PRESETS, CrammedBertConfig, CrammedBertForMaskedLM
 from cram.train.budget import BudgetClock, StepClock, budget_triangle, parse_budget
 from cram.train.checkpoint import (
@@ -281,17 +281,17 @@ def main() -> None:
             final_loss=state.final_loss,
         )
 
+    pusher = BackgroundPusher(implementation.push_to_hub, private=not implementation.hub_public) \
+        if implementation.push_checkpoints else None
+
     def push_checkpoint_model(state: TrainState, saved: Path) -> None:
-        """With --push-checkpoints: the model at this step, as a plain checkpoint, to the Hub revision step-N."""
-        exported = export_model(accelerator, model, data.tokenizer, resolved, saved / "model")
+        """With --push-checkpoints: the model at this step, as a plain checkpoint, to the Hub revision step-N
+        (uploaded in the background from a copy that checkpoint pruning cannot delete)."""
+        exported = export_model(accelerator, model, data.tokenizer, resolved, output_dir / "hub-uploads" / saved.name)
         if exported is None:  # not rank 0
             return
         write_model_card(exported, model_card(state))
-        try:
-            push_checkpoint(exported, implementation.push_to_hub, private=not implementation.hub_public,
-                            revision=saved.name)
-        except UserError as err:  # a failed intermediate push must not end a long run
-            print(f"warning: {err}", file=sys.stderr)
+        pusher.submit(exported, revision=saved.name)
 
     checkpointer = Checkpointer(
         accelerator, output_dir / "checkpoints", run,
@@ -324,6 +324,8 @@ def main() -> None:
                       resume_from)
         write_model_card(checkpoint, model_card(state))
     shut_down(accelerator)
+    if pusher is not None:
+        pusher.finish()  # the checkpoints' revisions land before the final model
     if checkpoint is not None and implementation.push_to_hub:  # a failed push loses nothing: all is written
         url = push_checkpoint(checkpoint, implementation.push_to_hub, private=not implementation.hub_public)
         print(f"pushed to the Hub: {url}")

@@ -1,13 +1,14 @@
 """Run recipes/cram.py (with the arguments given) with every data preparation slowed by
 $CRAM_TEST_PREPARATION_SECONDS, standing in for a corpus that takes hours to prepare."""
 
+import importlib
 import os
 import runpy
 import sys
 import time
 from pathlib import Path
 
-import cram.data.prepare as prepare_module
+prepare_module = importlib.import_module("cram.data.prepare")  # `cram.data.prepare` is also the function's name
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "cram.py"
 build = prepare_module._build
