@@ -83,10 +83,20 @@ def _locate(options: DataOptions, cache_dir: str | Path | None,
     options.validate()
     cache_root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     sources = resolve_sources(options.sources, cache_root)
-    resolved = {name: value for name, value in asdict(options).items() if name != "sources"}
-    identities = [source_identity(source, options.hub_config, options.hub_split) for source in sources]
-    key = cache_key(resolved, identities)
+    identities = source_identities(options, sources)
+    key = data_cache_key(options, sources)
     return sources, identities, key, Path(output_dir) if output_dir is not None else cache_root / key
+
+
+def source_identities(options: DataOptions, sources: list[Source]) -> list:
+    return [source_identity(source, options.hub_config, options.hub_split) for source in sources]
+
+
+def data_cache_key(options: DataOptions, sources: list[Source]) -> str:
+    """The cache key `prepare` files a set under: every option but the source names, which enter resolved
+    (as the files' identities), so the same files named two ways share one cache entry."""
+    resolved = {name: value for name, value in asdict(options).items() if name != "sources"}
+    return cache_key(resolved, source_identities(options, sources))
 
 
 def is_prepared(path: str | Path) -> bool:
