@@ -46,6 +46,7 @@ from cram.train.optim import build_adamw
 from cram.train.preemption import Preemption
 from cram.train.ramp import full_accumulation, ramp_accumulation
 from cram.train.runtime import (
+    COLLECTIVE_TIMEOUT_MINUTES,
     build_accelerator,
     check_optimizer_for_deepspeed,
     configure_deepspeed,
@@ -115,7 +116,8 @@ class ImplementationOptions:
         False, "also push each periodic checkpoint's model to the Hub, as the revision step-N")
     cache_dir: str | None = option(None, "where prepared data is cached; unset means $CRAM_CACHE or ~/.cache/cram")
     collective_timeout_minutes: float = option(
-        30.0, "how long a process waits for the others in a collective (a gradient sync, a checkpoint) before failing")
+        COLLECTIVE_TIMEOUT_MINUTES,
+        "how long a process waits for the others in a collective (a gradient sync, a checkpoint) before failing")
 
 
 def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:

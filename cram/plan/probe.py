@@ -31,7 +31,7 @@ from cram.plan.space import Candidate
 from cram.plan.timing import MemoryGauge, StepTimes, TimingClock
 from cram.train.loop import train
 from cram.train.optim import build_adamw
-from cram.train.runtime import build_accelerator, configure_deepspeed, enable_tf32, resolve_compile
+from cram.train.runtime import build_accelerator, configure_deepspeed, enable_tf32, is_compiled
 from cram.train.sampling import stream_loader
 from cram.train.state import TrainState
 from cram.train.throughput import peak_flops
@@ -54,7 +54,7 @@ class CandidateRun:
         self.seq_len = request["seq_len"]
         self.global_batch_size = request["global_batch_size"]
         self.config = model_config(request["model"], self.seq_len)
-        self.compile = resolve_compile(request["compile"], accelerator.device.type)
+        self.compile = is_compiled(accelerator)  # `prepare` compiles the model the way the launch needs
         plugin = accelerator.state.deepspeed_plugin
         # configure_deepspeed fills the "auto" fields in place; each probe starts again from the file's values.
         self.deepspeed_file_config = copy.deepcopy(plugin.deepspeed_config) if plugin is not None else None
@@ -89,8 +89,6 @@ class CandidateRun:
                                 eight_bit=self.candidate.optimizer == "adamw-8bit")
         configure_deepspeed(accelerator, micro_batch, self.global_batch_size, 1.0)
         model, optimizer = accelerator.prepare(model, optimizer)
-        if self.compile:
-            model = torch.compile(model)
         batches = iter(stream_loader(
             self.blocks, self.collate, start=0, micro_batch_size=micro_batch,
             process_index=accelerator.process_index, num_processes=accelerator.num_processes,
@@ -195,7 +193,7 @@ def main() -> None:
     request_path = Path(sys.argv[1])
     request = json.loads(request_path.read_text())
     result_path = Path(request["result"])
-    accelerator = build_accelerator(request["precision"], None, str(result_path.parent))
+    accelerator = build_accelerator(request["precision"], request["compile"], None, str(result_path.parent))
     try:
         result = run_request(request, accelerator)
     except Exception as error:  # noqa: BLE001 - a failing candidate is a row of the table, not a crashed sweep
