@@ -26,10 +26,10 @@ from accelerate.utils import set_seed
 from transformers import HfArgumentParser
 
 from cram.cli import option, parse_strictly
-from cram.data import DataOptions, PreparedData, is_prepared, load_prepared, prepare
+from cram.data import DataOptions, PreparedData, is_prepared, load_prepared, prepare, prepared_path
 from cram.data.collator import MaskedLMCollator
 from cram.errors import UserError, run_cli
-from cram.hub import ModelCardFacts, check_repo_id, push_checkpoint, write_model_card
+from cram.hub import BackgroundPusher, ModelCardFacts, check_repo_id, push_checkpoint, write_model_card
 from cram.models.crammed_bert import PRESETS, CrammedBertConfig, CrammedBertForMaskedLM
 from cram.train.budget import BudgetClock, StepClock, budget_triangle, parse_budget
 from cram.train.checkpoint import (
@@ -47,10 +47,12 @@ from cram.train.preemption import Preemption
 from cram.train.ramp import full_accumulation, ramp_accumulation
 from cram.train.runtime import (
     build_accelerator,
+    check_optimizer_for_deepspeed,
     configure_deepspeed,
     enable_tf32,
+    is_compiled,
+    local_main_first,
     parameter_counts,
-    resolve_compile,
     shut_down,
 )
 from cram.train.sampling import stream_loader
@@ -112,6 +114,8 @@ class ImplementationOptions:
     push_checkpoints: bool = option(
         False, "also push each periodic checkpoint's model to the Hub, as the revision step-N")
     cache_dir: str | None = option(None, "where prepared data is cached; unset means $CRAM_CACHE or ~/.cache/cram")
+    collective_timeout_minutes: float = option(
+        30.0, "how long a process waits for the others in a collective (a gradient sync, a checkpoint) before failing")
 
 
 def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
@@ -145,11 +149,16 @@ def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
     return training, implementation
 
 
-def load_data(training: TrainingOptions, config: CrammedBertConfig, cache_dir: str | None) -> PreparedData:
+def load_data(
+    training: TrainingOptions, config: CrammedBertConfig, cache_dir: str | None, accelerator: Accelerator
+) -> PreparedData:
+    """The prepared set: each machine's first process prepares it (or finds it cached) while the others wait."""
     if training.data != "embedded" and is_prepared(training.data):
         return load_prepared(training.data)
     options = DataOptions(sources=[training.data], vocab_size=config.vocab_size, seq_len=config.max_position_embeddings)
-    return prepare(options, cache_dir=cache_dir)
+    target = prepared_path(options, cache_dir)
+    return local_main_first(
+        accelerator, lambda: prepare(options, cache_dir=cache_dir), ready=lambda: is_prepared(target))
 
 
 def describe_data(data: PreparedData) -> str:
@@ -170,13 +179,16 @@ def main() -> None:
     budget_seconds = parse_budget(training.budget)
     output_dir = Path(implementation.output_dir)
     accelerator = build_accelerator(
-        implementation.precision, None if implementation.report_to == "none" else implementation.report_to,
-        str(output_dir),
+        implementation.precision, implementation.compile,
+        None if implementation.report_to == "none" else implementation.report_to, str(output_dir),
+        implementation.collective_timeout_minutes,
     )
     device_type = accelerator.device.type
-    use_compile = resolve_compile(implementation.compile, device_type)
+    use_compile = is_compiled(accelerator)
     full = full_accumulation(training.target_batch_size, training.micro_batch_size, accelerator.num_processes)
     configure_deepspeed(accelerator, training.micro_batch_size, training.target_batch_size, training.max_grad_norm)
+    plugin = accelerator.state.deepspeed_plugin
+    check_optimizer_for_deepspeed(plugin and plugin.deepspeed_config, training.optimizer == "adamw-8bit")
     resume_from = find_checkpoint(implementation.resume, output_dir / "checkpoints")
     if implementation.resume == "none" and complete_checkpoints(output_dir / "checkpoints"):
         raise UserError(
@@ -188,8 +200,7 @@ def main() -> None:
 
     # Build: data (cached, not counted against the budget), model, optimizer.
     config = CrammedBertConfig.from_preset(training.preset, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    with accelerator.local_main_process_first():
-        data = load_data(training, config, implementation.cache_dir)
+    data = load_data(training, config, implementation.cache_dir, accelerator)
     if accelerator.is_main_process:
         print(describe_data(data))
     config.vocab_size = len(data.tokenizer)
@@ -213,9 +224,7 @@ def main() -> None:
         model, training.lr, (training.beta1, training.beta2), training.eps, training.weight_decay,
         eight_bit=training.optimizer == "adamw-8bit",
     )
-    model, optimizer = accelerator.prepare(model, optimizer)
-    if use_compile:
-        model = torch.compile(model)
+    model, optimizer = accelerator.prepare(model, optimizer)  # compiles the model when use_compile
     state = TrainState()
     if resume_from is not None:
         state = load_checkpoint(accelerator, resume_from)
@@ -272,17 +281,17 @@ def main() -> None:
             final_loss=state.final_loss,
         )
 
+    pusher = BackgroundPusher(implementation.push_to_hub, private=not implementation.hub_public) \
+        if implementation.push_checkpoints else None
+
     def push_checkpoint_model(state: TrainState, saved: Path) -> None:
-        """With --push-checkpoints: the model at this step, as a plain checkpoint, to the Hub revision step-N."""
-        exported = export_model(accelerator, model, data.tokenizer, resolved, saved / "model")
+        """With --push-checkpoints: the model at this step, as a plain checkpoint, to the Hub revision step-N
+        (uploaded in the background from a copy that checkpoint pruning cannot delete)."""
+        exported = export_model(accelerator, model, data.tokenizer, resolved, output_dir / "hub-uploads" / saved.name)
         if exported is None:  # not rank 0
             return
         write_model_card(exported, model_card(state))
-        try:
-            push_checkpoint(exported, implementation.push_to_hub, private=not implementation.hub_public,
-                            revision=saved.name)
-        except UserError as err:  # a failed intermediate push must not end a long run
-            print(f"warning: {err}", file=sys.stderr)
+        pusher.submit(exported, revision=saved.name)
 
     checkpointer = Checkpointer(
         accelerator, output_dir / "checkpoints", run,
@@ -315,6 +324,8 @@ def main() -> None:
                       resume_from, optimizer_state_bytes(optimizer))
         write_model_card(checkpoint, model_card(state))
     shut_down(accelerator)
+    if pusher is not None:
+        pusher.finish()  # the checkpoints' revisions land before the final model
     if checkpoint is not None and implementation.push_to_hub:  # a failed push loses nothing: all is written
         url = push_checkpoint(checkpoint, implementation.push_to_hub, private=not implementation.hub_public)
         print(f"pushed to the Hub: {url}")

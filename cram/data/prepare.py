@@ -53,12 +53,7 @@ def prepare(options: DataOptions, cache_dir: str | Path | None = None, force: bo
     It lands in `output_dir` if given, else in `cache_dir`/<key> (cache_dir defaults to $CRAM_CACHE or
     ~/.cache/cram). A folder already holding the same key is reused unless `force`.
     """
-    options.validate()
-    cache_root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    sources = resolve_sources(options.sources, cache_root)
-    identities = source_identities(options, sources)
-    key = data_cache_key(options, sources)
-    target = Path(output_dir) if output_dir is not None else cache_root / key
+    sources, identities, key, target = _locate(options, cache_dir, output_dir)
     if is_prepared(target) and not force:
         if _read_json(target / OPTIONS_FILE).get("cache_key") == key:
             return load_prepared(target)
@@ -72,6 +67,22 @@ def prepare(options: DataOptions, cache_dir: str | Path | None = None, force: bo
         _write_json(work_dir / OPTIONS_FILE, {"cache_key": key, "options": asdict(options), "sources": identities})
         _write_json(work_dir / STATS_FILE, stats)
     return load_prepared(target)
+
+
+def prepared_path(options: DataOptions, cache_dir: str | Path | None = None) -> Path:
+    """The folder `prepare(options, cache_dir)` fills (or reuses), without preparing anything."""
+    return _locate(options, cache_dir, None)[3]
+
+
+def _locate(options: DataOptions, cache_dir: str | Path | None,
+            output_dir: str | Path | None) -> tuple[list[Source], list, str, Path]:
+    """The sources, their identities, the cache key and the target folder of a preparation."""
+    options.validate()
+    cache_root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    sources = resolve_sources(options.sources, cache_root)
+    identities = source_identities(options, sources)
+    key = data_cache_key(options, sources)
+    return sources, identities, key, Path(output_dir) if output_dir is not None else cache_root / key
 
 
 def source_identities(options: DataOptions, sources: list[Source]) -> list:
