@@ -19,11 +19,12 @@ from pathlib import Path
 # This script is named like the package it uses: keep its own folder from shadowing `cram` on the import path.
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 
+from accelerate import Accelerator
 from accelerate.utils import set_seed
 from transformers import HfArgumentParser
 
 from cram.cli import option, parse_strictly
-from cram.data import DataOptions, PreparedData, is_prepared, load_prepared, prepare
+from cram.data import DataOptions, PreparedData, is_prepared, load_prepared, prepare, prepared_path
 from cram.data.collator import MaskedLMCollator
 from cram.errors import UserError, run_cli
 from cram.hub import ModelCardFacts
@@ -33,7 +34,7 @@ from cram.train.loop import train
 from cram.train.optim import build_adamw
 from cram.train.ramp import full_accumulation, ramp_accumulation
 from cram.train.run import RecipeRun, RunOptions, check_run_options
-from cram.train.runtime import configure_deepspeed, enable_tf32
+from cram.train.runtime import check_optimizer_for_deepspeed, configure_deepspeed, enable_tf32, local_main_first
 from cram.train.sampling import stream_loader
 from cram.train.state import TrainState
 from cram.train.throughput import crammed_bert_flops_per_token
@@ -96,11 +97,16 @@ def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
     return training, implementation
 
 
-def load_data(training: TrainingOptions, config: CrammedBertConfig, cache_dir: str | None) -> PreparedData:
+def load_data(
+    training: TrainingOptions, config: CrammedBertConfig, cache_dir: str | None, accelerator: Accelerator
+) -> PreparedData:
+    """The prepared set: each machine's first process prepares it (or finds it cached) while the others wait."""
     if training.data != "embedded" and is_prepared(training.data):
         return load_prepared(training.data)
     options = DataOptions(sources=[training.data], vocab_size=config.vocab_size, seq_len=config.max_position_embeddings)
-    return prepare(options, cache_dir=cache_dir)
+    target = prepared_path(options, cache_dir)
+    return local_main_first(
+        accelerator, lambda: prepare(options, cache_dir=cache_dir), ready=lambda: is_prepared(target))
 
 
 def describe_data(data: PreparedData) -> str:
@@ -129,13 +135,14 @@ def main() -> None:
     accelerator = run.accelerator
     full = full_accumulation(training.target_batch_size, training.micro_batch_size, accelerator.num_processes)
     configure_deepspeed(accelerator, training.micro_batch_size, training.target_batch_size, training.max_grad_norm)
+    plugin = accelerator.state.deepspeed_plugin
+    check_optimizer_for_deepspeed(plugin and plugin.deepspeed_config, training.optimizer == "adamw-8bit")
     set_seed(training.seed)  # the same initial model on every process; masks depend on each sequence's serial
     enable_tf32()
 
     # Build: data (cached, not counted against the budget), model, optimizer.
     config = CrammedBertConfig.from_preset(training.preset, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    with accelerator.local_main_process_first():
-        data = load_data(training, config, implementation.cache_dir)
+    data = load_data(training, config, implementation.cache_dir, accelerator)
     if run.is_main_process:
         print(describe_data(data))
     config.vocab_size = len(data.tokenizer)
@@ -201,7 +208,7 @@ def main() -> None:
     )
 
     # Report: checkpoint, summary, curves, model card, Hub.
-    run.finish(state, finished, checkpointer, model, data.tokenizer, model_card, blocks=len(data.dataset),
+    run.finish(state, finished, checkpointer, model, optimizer, data.tokenizer, model_card, blocks=len(data.dataset),
                flops_per_token=flops_per_token, load_hint=LOAD_HINT.format(checkpoint=str(run.output_dir / "final")))
 
 

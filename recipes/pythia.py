@@ -174,7 +174,7 @@ def main() -> None:
     )
 
     # Report: checkpoint, summary, curves, model card, Hub.
-    run.finish(state, finished, checkpointer, model, data.tokenizer, model_card, blocks=len(data.sequences),
+    run.finish(state, finished, checkpointer, model, optimizer, data.tokenizer, model_card, blocks=len(data.sequences),
                flops_per_token=flops_per_token, load_hint=LOAD_HINT.format(checkpoint=str(run.output_dir / "final")))
 
 

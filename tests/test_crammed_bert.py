@@ -164,3 +164,104 @@ def test_a_model_cast_to_bf16_with_its_position_table_left_in_fp32_still_runs():
     model.bert.embeddings.positions.table = model.bert.embeddings.positions.table.float()
     logits = model(torch.tensor([[5, 6, 7, 8]])).logits
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
+
+
+def bert_loss_on(logits: torch.Tensor, labels: torch.Tensor, num_labels: int, problem_type: str | None) -> torch.Tensor:
+    """`BertForSequenceClassification`'s own loss for the given logits: its classifier is made to return them."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    class FixedLogits(torch.nn.Module):
+        def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+            return logits
+
+    config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, num_labels=num_labels, problem_type=problem_type)
+    bert = BertForSequenceClassification(config).eval()
+    bert.classifier = FixedLogits()
+    return bert(torch.randint(5, 64, (logits.shape[0], 8)), labels=labels).loss
+
+
+@pytest.mark.parametrize(
+    "num_labels, problem_type, labels",
+    [
+        (3, None, torch.tensor([0, 2, 1, 1])),
+        (3, "single_label_classification", torch.tensor([0, 2, 1, 1])),
+        (3, "multi_label_classification", torch.tensor([[1.0, 0, 1], [0, 0, 1], [1, 1, 1], [0, 0, 0]])),
+        (3, None, torch.tensor([[1.0, 0, 1], [0, 0, 1], [1, 1, 1], [0, 0, 0]])),
+        (1, None, torch.tensor([0.5, 4.0, 2.5, 1.0])),
+        (2, "regression", torch.tensor([[0.5, 1.0], [4.0, 3.0], [2.5, 0.0], [1.0, 1.0]])),
+    ],
+)
+def test_problem_type_losses_equal_bert_for_sequence_classification(num_labels, problem_type, labels):
+    torch.manual_seed(0)
+    model = CrammedBertForSequenceClassification(tiny_config(num_labels=num_labels, problem_type=problem_type))
+    output = model(torch.randint(5, 512, (4, 12)), labels=labels)
+    expected = bert_loss_on(output.logits.detach(), labels, num_labels, problem_type)
+    torch.testing.assert_close(output.loss, expected)
+
+
+def test_lora_sequence_classification_trains_the_whole_head_and_reloads_to_the_same_predictions(tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    torch.manual_seed(0)
+    CrammedBertForMaskedLM(tiny_config()).save_pretrained(tmp_path / "base")
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "base", num_labels=2)
+    lora = LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["qkv", "out", "up", "down"])
+    model = get_peft_model(model, lora)
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    assert trainable and all("lora_" in name or ".classifier." in name for name in trainable)
+    assert any("classifier.modules_to_save.default.dense" in name for name in trainable)  # the pooler trains
+
+    input_ids = torch.randint(5, 512, (4, 12))
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    model(input_ids, labels=torch.tensor([0, 1, 1, 0])).loss.backward()
+    optimizer.step()
+    model.eval()
+    with torch.no_grad():
+        expected = model(input_ids).logits
+    model.save_pretrained(tmp_path / "adapter")
+
+    torch.manual_seed(1)  # a different fresh head: everything the adapter needs must come from its files
+    base = AutoModelForSequenceClassification.from_pretrained(tmp_path / "base", num_labels=2)
+    reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids).logits, expected)
+
+
+def one_trainer_step(model: torch.nn.Module, rows: dict, micro_batch: int, accumulation: int, tmp_path):
+    """One SGD step of `Trainer` over the same 8 examples; returns its logged loss and the updated weights."""
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    arguments = TrainingArguments(
+        output_dir=str(tmp_path / f"trainer-{accumulation}"), per_device_train_batch_size=micro_batch,
+        gradient_accumulation_steps=accumulation, max_steps=1, learning_rate=0.1, optim="sgd",
+        lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, report_to="none", save_strategy="no",
+        use_cpu=True, seed=0, disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=arguments, train_dataset=Dataset.from_dict(rows))
+    trainer.train()
+    return trainer.state.log_history[0]["loss"], {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("head", ["classification", "masked-lm"])
+def test_trainer_with_gradient_accumulation_takes_the_same_step(tmp_path, head):
+    torch.manual_seed(0)
+    if head == "classification":
+        rows = {"input_ids": torch.randint(5, 512, (8, 16)).tolist(), "labels": [0, 1, 1, 0, 1, 0, 0, 1]}
+        build = lambda: CrammedBertForSequenceClassification(tiny_config(num_labels=2))  # noqa: E731
+    else:
+        input_ids, labels = masked_batch(8)
+        rows = {"input_ids": input_ids.tolist(), "labels": labels.tolist()}
+        build = lambda: CrammedBertForMaskedLM(tiny_config())  # noqa: E731
+    initial = build().state_dict()
+
+    results = []
+    for micro_batch, accumulation in [(8, 1), (2, 4)]:
+        model = build()
+        model.load_state_dict(initial)
+        results.append(one_trainer_step(model, rows, micro_batch, accumulation, tmp_path))
+    (loss_whole, weights_whole), (loss_accumulated, weights_accumulated) = results
+    assert loss_accumulated == pytest.approx(loss_whole, rel=1e-4)
+    for name, value in weights_whole.items():
+        torch.testing.assert_close(weights_accumulated[name], value, rtol=1e-4, atol=1e-6, msg=name)

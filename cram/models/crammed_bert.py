@@ -128,10 +128,10 @@ class CrammedBertEmbeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        words = self.word_embeddings(input_ids)
+    def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        words = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         # The position table is a buffer: engines that cast parameters to bf16 (DeepSpeed) may leave it in fp32.
-        hidden = words + self.positions(input_ids.shape[1]).to(words.dtype)
+        hidden = words + self.positions(words.shape[1]).to(words.dtype)
         return self.dropout(self.LayerNorm(hidden))
 
 
@@ -215,14 +215,32 @@ class CrammedBertModel(CrammedBertPreTrainedModel):
         self.embeddings.word_embeddings = value
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
     ) -> BaseModelOutput:
+        # The arguments are those BERT's clients pass (tokenizers return `token_type_ids`, peft passes the rest).
+        # There are no segment embeddings, so `token_type_ids` is ignored; the outputs are always ModelOutputs,
+        # which index like the tuples `return_dict=False` asks for.
+        if output_attentions:
+            raise ValueError("crammed BERT attends through scaled_dot_product_attention, which returns no weights.")
         # Pretraining blocks are fully packed, so no mask is passed there and SDPA takes its fastest path.
         sdpa_mask = attention_mask.bool()[:, None, None, :] if attention_mask is not None else None
-        hidden = self.embeddings(input_ids)
+        hidden = self.embeddings(input_ids, inputs_embeds)
+        all_hidden = [hidden] if output_hidden_states else None
         for layer in self.layers:
             hidden = layer(hidden, sdpa_mask)
-        return BaseModelOutput(last_hidden_state=self.final_norm(hidden))
+            if all_hidden is not None:
+                all_hidden.append(hidden)
+        return BaseModelOutput(
+            last_hidden_state=self.final_norm(hidden),
+            hidden_states=tuple(all_hidden) if all_hidden is not None else None,
+        )
 
 
 class CrammedBertForMaskedLM(CrammedBertPreTrainedModel):
@@ -233,6 +251,10 @@ class CrammedBertForMaskedLM(CrammedBertPreTrainedModel):
     """
 
     _tied_weights_keys = {"decoder.weight": "bert.embeddings.word_embeddings.weight"}
+    # `Trainer` passes `num_items_in_batch` (masked positions over all accumulated micro-batches and processes),
+    # and the loss below is normalised by it; Trainer then neither divides by the accumulation steps itself
+    # nor misses the world-size factor.
+    accepts_loss_kwargs = True
 
     def __init__(self, config: CrammedBertConfig):
         super().__init__(config)
@@ -258,49 +280,112 @@ class CrammedBertForMaskedLM(CrammedBertPreTrainedModel):
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
-        **kwargs,
+        token_type_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
     ) -> MaskedLMOutput:
-        hidden = self.bert(input_ids, attention_mask=attention_mask).last_hidden_state
+        """`num_items_in_batch`: the masked-position count to divide the summed loss by (the whole accumulated
+        batch's, as `Trainer` passes it); unset means the mean over this batch's masked positions."""
+        encoded = self.bert(
+            input_ids, attention_mask, inputs_embeds=inputs_embeds, output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+        )
+        hidden = encoded.last_hidden_state
         if labels is None:
-            return MaskedLMOutput(logits=self.decoder(hidden))
+            return MaskedLMOutput(logits=self.decoder(hidden), hidden_states=encoded.hidden_states)
         positions = self.masked_positions(labels)
         logits = self.decoder(hidden.reshape(-1, hidden.shape[-1])[positions])
-        loss = F.cross_entropy(logits.float(), labels.reshape(-1)[positions], ignore_index=IGNORE_INDEX)
-        return MaskedLMOutput(loss=loss, logits=logits)
+        targets = labels.reshape(-1)[positions]
+        if num_items_in_batch is None:
+            loss = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX)
+        else:
+            summed = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+            loss = summed / num_items_in_batch
+        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=encoded.hidden_states)
+
+
+class CrammedBertClassificationHead(nn.Module):
+    """First-token pooling → Linear(hidden, 1024) → tanh → dropout → Linear(1024, labels).
+
+    The pooler lives inside the module named `classifier` because peft's sequence-classification task trains and
+    saves the modules named `classifier` or `score` beside the adapter: a separately named, freshly initialised
+    pooler would stay frozen under LoRA and be left out of the saved adapter.
+    """
+
+    def __init__(self, config: CrammedBertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.classifier_hidden_size, bias=True)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.out_proj = nn.Linear(config.classifier_hidden_size, config.num_labels, bias=True)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(self.dropout(torch.tanh(self.dense(hidden[:, 0]))))
 
 
 class CrammedBertForSequenceClassification(CrammedBertPreTrainedModel):
-    """First-token pooling → Linear(hidden, 1024) → tanh → dropout → Linear(1024, labels)."""
+    """The encoder and `CrammedBertClassificationHead`, with `BertForSequenceClassification`'s losses.
+
+    The loss follows `config.problem_type` as BERT's does: "regression" (MSE), "single_label_classification"
+    (cross-entropy) or "multi_label_classification" (BCE with logits); unset, it is inferred from the number of
+    labels and the labels' dtype, and recorded in the config.
+    """
+
+    # Trainer divides the loss by the accumulation steps itself only when the model takes no loss kwargs.
+    accepts_loss_kwargs = False
 
     def __init__(self, config: CrammedBertConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.bert = CrammedBertModel(config)
-        self.pooler = nn.Linear(config.hidden_size, config.classifier_hidden_size, bias=True)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
-        self.classifier = nn.Linear(config.classifier_hidden_size, config.num_labels, bias=True)
+        self.classifier = CrammedBertClassificationHead(config)
         self.post_init()
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
-        **kwargs,
+        token_type_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
     ) -> SequenceClassifierOutput:
-        hidden = self.bert(input_ids, attention_mask=attention_mask).last_hidden_state
-        pooled = self.dropout(torch.tanh(self.pooler(hidden[:, 0])))
-        logits = self.classifier(pooled)
-        loss = None
-        if labels is not None:
+        encoded = self.bert(
+            input_ids, attention_mask, inputs_embeds=inputs_embeds, output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+        )
+        logits = self.classifier(encoded.last_hidden_state)
+        loss = None if labels is None else self.loss(logits, labels)
+        return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=encoded.hidden_states)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.config.problem_type is None:
             if self.num_labels == 1:
-                loss = F.mse_loss(logits.squeeze(-1).float(), labels.float())
+                self.config.problem_type = "regression"
+            elif labels.dtype in (torch.long, torch.int):
+                self.config.problem_type = "single_label_classification"
             else:
-                loss = F.cross_entropy(logits.float(), labels)
-        return SequenceClassifierOutput(loss=loss, logits=logits)
+                self.config.problem_type = "multi_label_classification"
+        logits = logits.float()
+        if self.config.problem_type == "regression":
+            if self.num_labels == 1:
+                return F.mse_loss(logits.squeeze(), labels.squeeze().float())
+            return F.mse_loss(logits, labels.float())
+        if self.config.problem_type == "single_label_classification":
+            return F.cross_entropy(logits.view(-1, self.num_labels), labels.view(-1))
+        if self.config.problem_type == "multi_label_classification":
+            return F.binary_cross_entropy_with_logits(logits, labels.float())
+        raise ValueError(
+            f"unknown problem_type {self.config.problem_type!r}: use regression, single_label_classification or "
+            "multi_label_classification."
+        )
 
 
 def register_auto_classes() -> None:

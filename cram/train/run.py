@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from cram.cli import option
 from cram.errors import UserError
-from cram.hub import ModelCardFacts, check_repo_id, push_checkpoint, write_model_card
+from cram.hub import BackgroundPusher, ModelCardFacts, check_repo_id, push_checkpoint, write_model_card
 from cram.train.checkpoint import (
     Checkpointer,
     check_same_run,
@@ -32,8 +31,9 @@ from cram.train.checkpoint import (
     read_checkpoint,
 )
 from cram.train.curves import write_training_curves
+from cram.train.optim import optimizer_state_bytes
 from cram.train.preemption import Preemption
-from cram.train.runtime import build_accelerator, parameter_counts, resolve_compile, shut_down
+from cram.train.runtime import COLLECTIVE_TIMEOUT_MINUTES, build_accelerator, is_compiled, parameter_counts, shut_down
 from cram.train.state import TrainState
 from cram.train.trackers import TRACKERS, flatten_config
 
@@ -66,6 +66,9 @@ class RunOptions:
     push_checkpoints: bool = option(
         False, "also push each periodic checkpoint's model to the Hub, as the revision step-N")
     cache_dir: str | None = option(None, "where prepared data is cached; unset means $CRAM_CACHE or ~/.cache/cram")
+    collective_timeout_minutes: float = option(
+        COLLECTIVE_TIMEOUT_MINUTES,
+        "how long a process waits for the others in a collective (a gradient sync, a checkpoint) before failing")
 
 
 def check_run_options(options: RunOptions) -> None:
@@ -112,10 +115,11 @@ class RecipeRun:
         self.options = options
         self.output_dir = Path(options.output_dir)
         self.accelerator = build_accelerator(
-            options.precision, None if options.report_to == "none" else options.report_to, str(self.output_dir)
+            options.precision, options.compile, None if options.report_to == "none" else options.report_to,
+            str(self.output_dir), options.collective_timeout_minutes,
         )
         self.device_type = self.accelerator.device.type
-        self.use_compile = resolve_compile(options.compile, self.device_type)
+        self.use_compile = is_compiled(self.accelerator)
         self.resume_from = find_checkpoint(options.resume, self.output_dir / "checkpoints")
         if options.resume == "none" and complete_checkpoints(self.output_dir / "checkpoints"):
             raise UserError(
@@ -126,6 +130,7 @@ class RecipeRun:
         self.resolved: dict = {}
         self.parameters = self.parameters_held = 0
         self.preemption: Preemption | None = None
+        self.pusher: BackgroundPusher | None = None
 
     @property
     def is_main_process(self) -> bool:
@@ -146,10 +151,9 @@ class RecipeRun:
     def prepare(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer, TrainState]:
-        """Hand model and optimizer to Accelerate (and the compiler), and restore the saved state when resuming."""
+        """Hand model and optimizer to Accelerate (which compiles the model when asked), and restore the saved state
+        when resuming."""
         model, optimizer = self.accelerator.prepare(model, optimizer)
-        if self.use_compile:
-            model = torch.compile(model)
         state = TrainState()
         if self.resume_from is not None:
             state = load_checkpoint(self.accelerator, self.resume_from)
@@ -202,6 +206,8 @@ class RecipeRun:
         after each, the curves plot and (with --push-checkpoints) the model pushed to the Hub revision
         `revision_at(state, saved)` (None: not this one). Installs the preemption handler."""
         options = self.options
+        if options.push_checkpoints:
+            self.pusher = BackgroundPusher(options.push_to_hub, private=not options.hub_public)
 
         def after_save(state: TrainState, saved: Path) -> None:
             if self.is_main_process:
@@ -227,21 +233,19 @@ class RecipeRun:
         self, state: TrainState, saved: Path, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
         card: Callable[[TrainState], ModelCardFacts], revision: str,
     ) -> None:
-        """The model at this step, as a plain checkpoint, to the Hub revision `revision` (every process calls it)."""
-        exported = export_model(self.accelerator, model, tokenizer, self.resolved, saved / "model")
+        """The model at this step, as a plain checkpoint, to the Hub revision `revision` (every process calls it;
+        uploaded in the background from a copy that checkpoint pruning cannot delete)."""
+        exported = export_model(self.accelerator, model, tokenizer, self.resolved,
+                                self.output_dir / "hub-uploads" / revision)
         if exported is None:  # not rank 0
             return
         write_model_card(exported, card(state))
-        try:
-            push_checkpoint(exported, self.options.push_to_hub, private=not self.options.hub_public,
-                            revision=revision)
-        except UserError as err:  # a failed intermediate push must not end a long run
-            print(f"warning: {err}", file=sys.stderr)
+        self.pusher.submit(exported, revision=revision)
 
     def finish(
         self, state: TrainState, finished: bool, checkpointer: Checkpointer, model: torch.nn.Module,
-        tokenizer: PreTrainedTokenizerBase, card: Callable[[TrainState], ModelCardFacts], *,
-        blocks: int, flops_per_token: float, load_hint: str,
+        optimizer: torch.optim.Optimizer, tokenizer: PreTrainedTokenizerBase,
+        card: Callable[[TrainState], ModelCardFacts], *, blocks: int, flops_per_token: float, load_hint: str,
     ) -> None:
         """After the loop: stop for a signal (saving the state), else export the model, write the summary, the
         curves and the card, end every process together, then push."""
@@ -250,10 +254,12 @@ class RecipeRun:
         checkpoint = export_model(self.accelerator, model, tokenizer, self.resolved, self.output_dir / "final")
         if checkpoint is not None:  # rank 0
             write_summary(state, checkpoint, self.output_dir, blocks, flops_per_token, self.parameters,
-                          self.parameters_held, self.resume_from, load_hint)
+                          self.parameters_held, self.resume_from, optimizer_state_bytes(optimizer), load_hint)
             write_training_curves(state.history, self.output_dir / CURVES_FILE)
             write_model_card(checkpoint, card(state))
         shut_down(self.accelerator)
+        if self.pusher is not None:
+            self.pusher.finish()  # the checkpoints' revisions land before the final model
         if checkpoint is not None and self.options.push_to_hub:  # a failed push loses nothing: all is written
             url = push_checkpoint(checkpoint, self.options.push_to_hub, private=not self.options.hub_public)
             print(f"pushed to the Hub: {url}")
@@ -273,7 +279,7 @@ class ScheduledCheckpointer(Checkpointer):
 
 def write_summary(
     state: TrainState, checkpoint: Path, output_dir: Path, blocks: int, flops_per_token: float, parameters: int,
-    parameters_held: int, resume_from: Path | None, load_hint: str,
+    parameters_held: int, resume_from: Path | None, optimizer_state: int, load_hint: str,
 ) -> None:
     """OUTPUT_DIR/summary.json, and the run's last words on the console (ending with how to load the model)."""
     summary = {
@@ -290,6 +296,7 @@ def write_summary(
         "peak_memory_gib": max(row["peak_memory_gib"] for row in state.history),
         "parameters": parameters,
         "parameters_held_by_rank0": parameters_held,
+        "optimizer_state_bytes_held_by_rank0": optimizer_state,
         "resumed_from": str(resume_from) if resume_from else None,
         "checkpoint": str(checkpoint),
         "history": state.history,
