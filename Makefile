@@ -39,5 +39,14 @@ bench-data: setup
 cram-1gpu: setup
 	$(BIN)/accelerate launch -q --config_file accel_configs/1gpu.yaml recipes/cram.py --budget 24h
 
+# GLUE: fine-tune CKPT on every task with the paper's protocol; CKPT=runs/cram/final by default.
+.PHONY: glue bench-quality
+CKPT ?= runs/cram/final
+glue: setup
+	$(BIN)/accelerate launch -q --config_file accel_configs/1gpu.yaml recipes/glue.py --model $(CKPT)
+
+bench-quality: setup
+	$(BIN)/python -m cram.bench.quality
+
 clean:
 	rm -rf runs .pytest_cache
