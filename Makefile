@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench bench-data data cram-1gpu clean
+.PHONY: setup demo test lint bench bench-data data cram-1gpu clean plan bench-plan
 
 setup: $(STAMP)
 
@@ -41,3 +41,13 @@ cram-1gpu: setup
 
 clean:
 	rm -rf runs .pytest_cache
+
+# The planner: which configuration trains MODEL fastest on the hardware ACCEL_CONFIG describes, and what the run costs.
+MODEL ?= pythia-1b
+ACCEL_CONFIG ?= accel_configs/1gpu.yaml
+plan: setup
+	$(BIN)/accelerate launch -q --config_file $(ACCEL_CONFIG) recipes/plan.py --model $(MODEL) \
+		--output-dir runs/plan/$(MODEL) --verify
+
+bench-plan: setup
+	$(BIN)/python -m cram.bench.plan

@@ -1,0 +1,84 @@
+"""Benchmark: how well the planner predicts a step time, and how long its sweep takes, on the CPU.
+
+    python -m cram.bench.plan [--models pythia-14m,pythia-31m,pythia-70m] [--processes 1,2]
+
+For each model size and process count, `recipes/plan.py` sweeps one candidate (the plain one on one process,
+ZeRO-1 on two: the candidates the CPU can tell apart least ambiguously) at a smoke shape and then, with --verify,
+launches the emitted winner afresh for as many timed steps: the prediction error is (predicted − observed) ÷
+observed median step time. The sweep's wall time is the planner's whole run (launch, data, micro-batch search,
+timing, verification) as the user waits for it. Results go to stdout and runs/bench-plan/results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCH_CONFIGS = {1: "cpu.yaml", 2: "cpu-ddp.yaml"}
+CANDIDATE = {1: "ddp", 2: "zero1"}
+
+
+def run_plan(model: str, processes: int, args: argparse.Namespace, output_dir: Path) -> dict:
+    accelerate = Path(sys.executable).with_name("accelerate")
+    launch_config = REPO / "accel_configs" / LAUNCH_CONFIGS[processes]
+    command = [str(accelerate), "launch", "-q", "--config_file", str(launch_config),
+               str(REPO / "recipes" / "plan.py"), "--model", model, "--seq-len", str(args.seq_len),
+               "--global-batch-size", str(args.global_batch_size), "--memory-limit", args.memory_limit,
+               "--candidates", CANDIDATE[processes], "--warmup-steps", "2", "--timed-steps", str(args.steps),
+               "--verify", "--verify-steps", str(args.steps), "--output-dir", str(output_dir)]
+    started = time.perf_counter()
+    completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    if completed.returncode != 0:
+        return {"model": model, "processes": processes, "failed": completed.stderr.strip().splitlines()[-1:]}
+    plan = json.loads((output_dir / "plan.json").read_text())
+    verify, winner = plan["verify"], plan["rows"][0]
+    return {"model": model, "processes": processes, "candidate": winner["candidate"],
+            "micro_batch": winner["micro_batch"], "accumulation": winner["accumulation"],
+            "predicted_s": verify["predicted_seconds"], "predicted_spread": winner["step_time"]["spread"],
+            "observed_s": verify["observed_seconds"], "observed_spread": verify["observed"]["spread"],
+            "error": verify["error"], "planner_wall_s": wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="pythia-14m,pythia-31m,pythia-70m", help="Comma-separated model names.")
+    parser.add_argument("--processes", default="1,2", help="Comma-separated CPU process counts (1 and/or 2).")
+    parser.add_argument("--seq-len", type=int, default=128, help="Tokens per sequence.")
+    parser.add_argument("--global-batch-size", type=int, default=8, help="Sequences per optimizer step.")
+    parser.add_argument("--memory-limit", default="4GiB", help="Memory per process the search may use.")
+    parser.add_argument("--steps", type=int, default=5, help="Timed steps, in the sweep and in the verification.")
+    parser.add_argument("--output-dir", default="runs/bench-plan", help="Where the planner runs and results go.")
+    args = parser.parse_args()
+    output_dir = REPO / args.output_dir
+    results = []
+    print(f"load average at the start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print("| model | processes | candidate | micro-batch × accum. | predicted (s) | observed (s) | error | "
+          "planner wall time (s) |\n|---|---|---|---|---|---|---|---|", flush=True)
+    for model in args.models.split(","):
+        for processes in (int(count) for count in args.processes.split(",")):
+            row = run_plan(model, processes, args, output_dir / f"{model}-{processes}p")
+            results.append(row)
+            if "failed" in row:
+                print(f"| {model} | {processes} | failed: {row['failed']} | | | | | |", flush=True)
+                continue
+            print(f"| {model} | {processes} | {row['candidate']} | {row['micro_batch']} × {row['accumulation']} "
+                  f"| {row['predicted_s']:.3f} ± {row['predicted_spread']:.0%} "
+                  f"| {row['observed_s']:.3f} ± {row['observed_spread']:.0%} | {row['error']:+.1%} "
+                  f"| {row['planner_wall_s']:.0f} |", flush=True)
+    errors = [abs(row["error"]) for row in results if "error" in row]
+    if errors:
+        print(f"mean |error| {sum(errors) / len(errors):.1%}, worst {max(errors):.1%}; "
+              f"load average at the end: {os.getloadavg()[0]:.1f}")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
