@@ -42,10 +42,11 @@ from cram.train.checkpoint import (
     read_checkpoint,
 )
 from cram.train.loop import train
-from cram.train.optim import build_adamw
+from cram.train.optim import build_adamw, optimizer_state_bytes
 from cram.train.preemption import Preemption
 from cram.train.ramp import full_accumulation, ramp_accumulation
 from cram.train.runtime import (
+    COLLECTIVE_TIMEOUT_MINUTES,
     build_accelerator,
     check_optimizer_for_deepspeed,
     configure_deepspeed,
@@ -115,7 +116,8 @@ class ImplementationOptions:
         False, "also push each periodic checkpoint's model to the Hub, as the revision step-N")
     cache_dir: str | None = option(None, "where prepared data is cached; unset means $CRAM_CACHE or ~/.cache/cram")
     collective_timeout_minutes: float = option(
-        30.0, "how long a process waits for the others in a collective (a gradient sync, a checkpoint) before failing")
+        COLLECTIVE_TIMEOUT_MINUTES,
+        "how long a process waits for the others in a collective (a gradient sync, a checkpoint) before failing")
 
 
 def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
@@ -321,7 +323,7 @@ def main() -> None:
     checkpoint = export_model(accelerator, model, data.tokenizer, resolved, output_dir / "final")
     if checkpoint is not None:  # rank 0
         write_summary(state, checkpoint, output_dir, len(data.dataset), flops_per_token, parameters, parameters_held,
-                      resume_from)
+                      resume_from, optimizer_state_bytes(optimizer))
         write_model_card(checkpoint, model_card(state))
     shut_down(accelerator)
     if pusher is not None:
@@ -333,7 +335,7 @@ def main() -> None:
 
 def write_summary(
     state: TrainState, checkpoint: Path, output_dir: Path, blocks: int, flops_per_token: float, parameters: int,
-    parameters_held: int, resume_from: Path | None,
+    parameters_held: int, resume_from: Path | None, optimizer_state: int,
 ) -> None:
     """OUTPUT_DIR/summary.json, and the run's last words on the console."""
     summary = {
@@ -350,6 +352,7 @@ def write_summary(
         "peak_memory_gib": max(row["peak_memory_gib"] for row in state.history),
         "parameters": parameters,
         "parameters_held_by_rank0": parameters_held,
+        "optimizer_state_bytes_held_by_rank0": optimizer_state,
         "resumed_from": str(resume_from) if resume_from else None,
         "checkpoint": str(checkpoint),
         "history": state.history,

@@ -35,6 +35,9 @@ STATS_FILE = "stats.json"
 # Documents per Arrow record batch while reading, and per tokenizer call: large enough to amortise
 # per-call overhead, small enough that one batch is a few MB.
 DOCUMENT_BATCH = 1000
+# ... and at most this many characters (one long document alone may be more; the tokenizer then reads it in
+# windows of this size), so a batch of book-length documents cannot take gigabytes in each worker.
+BATCH_CHARS = 1_000_000
 
 
 @dataclass
@@ -182,7 +185,7 @@ def _write_documents(sources: list[Source], options: DataOptions, path: Path, st
     column = ""
     writer = None
     buffer: list = []
-    read = kept = 0
+    read = kept = buffered_chars = 0
     with open(path, "wb") as file, tqdm(desc="Reading documents", unit=" docs", disable=not progress) as bar:
         for index, source in enumerate(sources):
             sampler = WeightSampler(source.weight, options.seed, index)
@@ -201,9 +204,10 @@ def _write_documents(sources: list[Source], options: DataOptions, path: Path, st
                 copies = sampler.copies()
                 buffer += [value] * copies
                 kept += copies
-                if len(buffer) >= DOCUMENT_BATCH:
+                buffered_chars += copies * len(value)
+                if len(buffer) >= DOCUMENT_BATCH or buffered_chars >= BATCH_CHARS:
                     writer = _write_batch(writer, file, column, buffer)
-                    buffer = []
+                    buffer, buffered_chars = [], 0
         if buffer:
             writer = _write_batch(writer, file, column, buffer)
         if writer is not None:
@@ -232,11 +236,17 @@ def _write_batch(writer: pa.ipc.RecordBatchStreamWriter | None, file, column: st
 
 
 def _sample_texts(documents: datasets.Dataset, budget_chars: int, seed: int) -> Iterator[str]:
-    """Texts from randomly chosen runs of documents until `budget_chars`: a bounded sample spread over the corpus."""
+    """Texts from randomly chosen runs of documents until `budget_chars`: a bounded sample spread over the corpus.
+
+    A document longer than BATCH_CHARS contributes its first BATCH_CHARS characters (read without the rest), so a
+    book-length document cannot make the tokenizer trainer hold it whole.
+    """
     starts = np.random.default_rng(seed).permutation(np.arange(0, len(documents), DOCUMENT_BATCH))
     used = 0
     for start in starts.tolist():
-        for text in documents.data.slice(start, DOCUMENT_BATCH).column("text").to_pylist():
+        run = documents.data.slice(start, DOCUMENT_BATCH).column("text")
+        for index in range(len(run)):
+            text = pc.utf8_slice_codeunits(run.slice(index, 1), 0, BATCH_CHARS)[0].as_py()
             yield text
             used += len(text)
             if used >= budget_chars:
@@ -247,12 +257,15 @@ def _tokenized_streams(documents: datasets.Dataset, tokenizer: PreTrainedTokeniz
                        dtype: np.dtype, work_dir: Path, num_proc: int, stats: dict) -> Iterator[np.ndarray]:
     """Tokenize and filter in parallel (one worker per core), then yield each batch's token stream in order."""
     sep_id = tokenizer.convert_tokens_to_ids("[SEP]")
-    tokenize = DocumentTokenizer(tokenizer.backend_tokenizer, sep_id, options.trash_cutoff, dtype)
-    batches = max(1, -(-len(documents) // DOCUMENT_BATCH))
+    tokenize = DocumentTokenizer(tokenizer.backend_tokenizer, sep_id, options.trash_cutoff, dtype, BATCH_CHARS)
+    # Map batches of BATCH_CHARS on average: each yields one row of tokens, and the writer holds a batch's rows.
+    characters = pc.sum(pc.utf8_length(documents.data.column("text"))).as_py() or 1
+    batch_size = max(1, min(DOCUMENT_BATCH, BATCH_CHARS * len(documents) // characters))
+    batches = max(1, -(-len(documents) // batch_size))
     streams = documents.with_format("arrow").map(
         tokenize,
         batched=True,
-        batch_size=DOCUMENT_BATCH,
+        batch_size=batch_size,
         remove_columns=["text"],
         num_proc=min(num_proc, batches) if num_proc > 1 else None,
         cache_file_name=str(work_dir / "tokens.arrow"),

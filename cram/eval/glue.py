@@ -1,0 +1,349 @@
+"""GLUE fine-tuning and evaluation of any encoder checkpoint: one fresh copy per task and seed, through `Trainer`.
+
+The protocol defaults are the "GLUE-sane" ones of the cramming paper (REFERENCE.md section 1): AdamW lr 4e-5,
+betas (0.9, 0.98), eps 1e-6, no weight decay, batch 16, cosine decay after 10 % warm-up, 5 epochs, max length 128,
+dropout 0.1. Batches are padded to their longest member (a multiple of 8), not to the max length.
+
+Each finished (task, seed) writes `OUTPUT_DIR/results/TASK-seedN.json`; an evaluation started again with the same
+options skips those and runs only what is missing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    DataCollatorWithPadding,
+    PreTrainedTokenizerBase,
+    Trainer,
+    TrainingArguments,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+import cram  # noqa: F401 - registers the crammed-BERT Auto classes
+from cram.cli import option
+from cram.errors import UserError
+from cram.eval.glue_data import GlueTask, TaskData, load_task, parse_tasks
+from cram.eval.glue_report import (
+    bar_chart,
+    eval_results,
+    markdown_report,
+    summarize,
+    task_metrics,
+    write_json,
+)
+from cram.train.runtime import (
+    PRECISIONS,
+    enable_tf32,
+    launch_device_type,
+    resolve_compile,
+    resolve_precision,
+    use_cpu_cores,
+)
+
+# Small dev sets give noisy scores; these get --seeds fine-tunings, the large tasks --large-task-seeds.
+SMALL_TASKS = ("cola", "mrpc", "stsb", "rte")
+# The Linear layers LoRA adapts in crammed BERT (peft knows the names for Hugging Face's own architectures).
+CRAMMED_LORA_TARGETS = ["qkv", "out", "up", "down"]
+RESULTS_DIR = "results"
+OPTIONS_FILE = "glue_options.json"
+
+
+@dataclass
+class GlueOptions:
+    """What to evaluate, and the fine-tuning protocol (every value changes the result)."""
+
+    model: str = option("runs/cram/final", "checkpoint folder or Hub name of an encoder (crammed BERT, BERT, …)")
+    glue_dir: str | None = option(
+        None, "the original GLUE download (DIR/CoLA/train.tsv, …); unset loads nyu-mll/glue from the Hub")
+    tasks: str = option("all", "comma-separated: cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, or all")
+    seeds: int = option(5, "fine-tuning seeds for the small, noisy tasks (CoLA, MRPC, STS-B, RTE); the median counts")
+    large_task_seeds: int = option(1, "fine-tuning seeds for SST-2, QQP, MNLI and QNLI")
+    epochs: float = option(5.0, "training epochs per fine-tuning")
+    lr: float = option(4e-5, "peak learning rate")
+    beta1: float = option(0.9, "AdamW beta1")
+    beta2: float = option(0.98, "AdamW beta2")
+    eps: float = option(1e-6, "AdamW epsilon")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    batch_size: int = option(16, "examples per optimizer step (over all processes)")
+    scheduler: str = option("cosine", "learning-rate schedule after warm-up (a transformers scheduler name)")
+    warmup: float = option(0.1, "warm-up as a fraction of the training steps")
+    max_length: int = option(128, "tokens per example; longer pairs are truncated")
+    dropout: float = option(0.1, "dropout while fine-tuning (checkpoints pretrained without it get it back)")
+    max_train_examples: int | None = option(None, "use only the first N training examples of each task (smoke runs)")
+    lora_r: int = option(0, "LoRA rank through peft (0: fine-tune every weight)")
+    lora_alpha: float = option(16.0, "LoRA scaling numerator (the update is scaled by alpha / r)")
+
+
+@dataclass
+class GlueRunOptions:
+    """Options that change only speed and bookkeeping."""
+
+    output_dir: str = option("runs/glue", "where results, the report and the per-task cache go")
+    precision: str = option("auto", f"{', '.join(PRECISIONS)}: auto is bf16 where supported (as the cram recipe)")
+    compile: str = option("auto", "torch.compile: auto (on for GPUs that support it), true or false")
+    eval_batch_size: int = option(128, "examples per evaluation batch")
+    write_eval_results: bool = option(True, "also write eval_results.json beside a local checkpoint (for the Hub)")
+
+
+@dataclass
+class Evaluation:
+    """Everything checked and loaded before the first fine-tuning."""
+
+    options: GlueOptions
+    run: GlueRunOptions
+    tokenizer: PreTrainedTokenizerBase
+    model_type: str
+    tasks: list[TaskData]
+    mixed_precision: str  # Accelerate's value: bf16, fp16 or no
+    compile: bool
+
+
+def seeds_for(task: GlueTask, options: GlueOptions) -> list[int]:
+    return list(range(options.seeds if task.name in SMALL_TASKS else options.large_task_seeds))
+
+
+def prepare_evaluation(options: GlueOptions, run: GlueRunOptions) -> Evaluation:
+    """Check the options, the checkpoint, the tokenizer and every task's data; load the data. No training yet."""
+    tasks = parse_tasks(options.tasks)
+    if options.seeds < 1 or options.large_task_seeds < 1:
+        raise UserError("--seeds and --large-task-seeds must be at least 1: each task needs one fine-tuning.")
+    if options.lora_r < 0:
+        raise UserError(f"--lora-r {options.lora_r} is negative: give a rank such as 8, or 0 for full fine-tuning.")
+    if options.glue_dir is not None and not Path(options.glue_dir).is_dir():
+        raise UserError(f"the GLUE folder {options.glue_dir} does not exist: give the original GLUE download's folder.")
+    config = load_config(options.model)
+    tokenizer = load_tokenizer(options.model, config)
+    device_type = launch_device_type()
+    data = [load_task(task, options.glue_dir) for task in tasks]
+    check_cache_owner(options, Path(run.output_dir))
+    return Evaluation(
+        options, run, tokenizer, config.model_type, data,
+        resolve_precision(run.precision, device_type), resolve_compile(run.compile, device_type),
+    )
+
+
+def load_config(model: str):
+    try:
+        config = AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as err:
+        where = "folder" if Path(model).exists() else "name"
+        raise UserError(
+            f"{model} is not a model: give a checkpoint folder with a config.json (e.g. runs/cram/final) or a "
+            f"Hugging Face Hub model name ({type(err).__name__} for this {where})."
+        ) from err
+    if config.model_type not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES and config.model_type != "crammed_bert":
+        raise UserError(
+            f"{model} is a {config.model_type} model, which has no sequence-classification head in transformers: "
+            "give an encoder checkpoint such as crammed BERT or BERT."
+        )
+    return config
+
+
+def load_tokenizer(model: str, config) -> PreTrainedTokenizerBase:
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as err:
+        raise UserError(f"{model} holds no tokenizer: save the tokenizer beside the checkpoint.") from err
+    if len(tokenizer) > config.vocab_size:
+        raise UserError(
+            f"the tokenizer of {model} has {len(tokenizer)} tokens but the model embeds only {config.vocab_size}: "
+            "save the tokenizer the model was trained with beside it."
+        )
+    return tokenizer
+
+
+def options_fingerprint(options: GlueOptions) -> str:
+    return hashlib.sha256(json.dumps(asdict(options), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_cache_owner(options: GlueOptions, output_dir: Path) -> None:
+    """Refuse to mix cached results of another evaluation (other model, data or protocol) into this one."""
+    options_file = output_dir / OPTIONS_FILE
+    if options_file.is_file():
+        recorded = json.loads(options_file.read_text())
+        if recorded.get("fingerprint") != options_fingerprint(options):
+            raise UserError(
+                f"{output_dir} holds results of an evaluation with other options (model, data or protocol): give "
+                "another --output-dir, or delete that folder to start over."
+            )
+
+
+def record_options(evaluation: Evaluation) -> None:
+    output_dir = Path(evaluation.run.output_dir)
+    (output_dir / RESULTS_DIR).mkdir(parents=True, exist_ok=True)
+    write_json(
+        output_dir / OPTIONS_FILE,
+        {"fingerprint": options_fingerprint(evaluation.options), "options": asdict(evaluation.options)},
+    )
+
+
+def result_path(evaluation: Evaluation, task: GlueTask, seed: int) -> Path:
+    return Path(evaluation.run.output_dir) / RESULTS_DIR / f"{task.name}-seed{seed}.json"
+
+
+def build_model(evaluation: Evaluation, task: GlueTask):
+    """A fresh copy of the checkpoint with a new head for `task`, dropout on, LoRA-wrapped if asked."""
+    options = evaluation.options
+    overrides: dict[str, object] = {"num_labels": task.num_labels}
+    if task.is_regression:
+        overrides["problem_type"] = "regression"
+    config = AutoConfig.from_pretrained(options.model, **overrides)
+    # Crammed checkpoints are saved with dropout 0 (as pretrained); fine-tuning turns it back on.
+    for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"):
+        if hasattr(config, name):
+            setattr(config, name, options.dropout)
+    model = AutoModelForSequenceClassification.from_pretrained(options.model, config=config)
+    if options.lora_r:
+        from peft import LoraConfig, get_peft_model
+
+        targets = CRAMMED_LORA_TARGETS if evaluation.model_type == "crammed_bert" else None
+        lora = LoraConfig(task_type="SEQ_CLS", r=options.lora_r, lora_alpha=options.lora_alpha,
+                          lora_dropout=options.dropout, target_modules=targets)
+        model = get_peft_model(model, lora)
+    return model
+
+
+def tokenized(evaluation: Evaluation, dataset):
+    options, tokenizer = evaluation.options, evaluation.tokenizer
+
+    def encode(batch: dict) -> dict:
+        pairs = (batch["text_a"],) if batch["text_b"][0] is None else (batch["text_a"], batch["text_b"])
+        return tokenizer(*pairs, truncation=True, max_length=options.max_length)
+
+    return dataset.map(encode, batched=True, remove_columns=["text_a", "text_b"])
+
+
+def training_arguments(evaluation: Evaluation, task: GlueTask, seed: int, num_processes: int) -> TrainingArguments:
+    options = evaluation.options
+    if options.batch_size % num_processes:
+        raise UserError(
+            f"--batch-size {options.batch_size} does not divide among {num_processes} processes: give a multiple of it."
+        )
+    return TrainingArguments(
+        output_dir=str(Path(evaluation.run.output_dir) / "trainer" / f"{task.name}-seed{seed}"),
+        per_device_train_batch_size=options.batch_size // num_processes,
+        per_device_eval_batch_size=evaluation.run.eval_batch_size,
+        num_train_epochs=options.epochs,
+        learning_rate=options.lr,
+        adam_beta1=options.beta1,
+        adam_beta2=options.beta2,
+        adam_epsilon=options.eps,
+        weight_decay=options.weight_decay,
+        lr_scheduler_type=options.scheduler,
+        warmup_steps=options.warmup,  # below 1, transformers reads it as a fraction of the steps
+        bf16=evaluation.mixed_precision == "bf16",
+        fp16=evaluation.mixed_precision == "fp16",
+        torch_compile=evaluation.compile,
+        seed=seed,
+        save_strategy="no",
+        eval_strategy="no",
+        logging_strategy="epoch",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=launch_device_type() == "cpu",
+    )
+
+
+def fine_tune(evaluation: Evaluation, data: TaskData, seed: int) -> dict:
+    """Fine-tune a fresh copy on the task's training set with `seed`, and score every dev set."""
+    task = data.task
+    from accelerate import PartialState
+
+    state = PartialState()
+    arguments = training_arguments(evaluation, task, seed, state.num_processes)
+    torch.manual_seed(seed)  # the new head's initialisation depends on the seed too
+    model = build_model(evaluation, task)
+    trainable = sum(param.numel() for param in model.parameters() if param.requires_grad)
+    total = sum(param.numel() for param in model.parameters())
+    train = data.train
+    if evaluation.options.max_train_examples is not None:
+        train = train.select(range(min(len(train), evaluation.options.max_train_examples)))
+    collator = DataCollatorWithPadding(evaluation.tokenizer, pad_to_multiple_of=8)
+    trainer = Trainer(
+        model=model, args=arguments, train_dataset=tokenized(evaluation, train), data_collator=collator,
+        processing_class=evaluation.tokenizer,
+    )
+    started = time.perf_counter()
+    output = trainer.train()
+    train_seconds = time.perf_counter() - started
+    result: dict = {
+        "task": task.name, "seed": seed, "train_examples": len(train), "optimizer_steps": output.global_step,
+        "train_loss": output.training_loss, "train_seconds": round(train_seconds, 1),
+        "trainable_parameters": trainable, "total_parameters": total, "dev": {}, "predictions": {},
+    }
+    for key, dev in data.dev.items():
+        predictions = trainer.predict(tokenized(evaluation, dev)).predictions
+        predictions = predictions[0] if isinstance(predictions, tuple) else predictions
+        labels = np.asarray(dev["label"])
+        result["dev"][key] = task_metrics(key, np.asarray(predictions, dtype=np.float32), labels)
+        result["predictions"][key] = (
+            predictions.reshape(-1).round(5).tolist() if task.is_regression else predictions.argmax(-1).tolist()
+        )
+    if evaluation.options.lora_r and state.is_main_process:
+        trainer.model.save_pretrained(Path(evaluation.run.output_dir) / "adapters" / f"{task.name}-seed{seed}")
+    return result
+
+
+def evaluate(evaluation: Evaluation) -> dict:
+    """Run every (task, seed) not already cached, then write the report; returns the summary."""
+    from accelerate import PartialState
+
+    state = PartialState()
+    if state.device.type == "cuda":
+        enable_tf32()
+    else:
+        use_cpu_cores()
+    if state.is_main_process:
+        record_options(evaluation)
+    results = []
+    for data in evaluation.tasks:
+        for seed in seeds_for(data.task, evaluation.options):
+            path = result_path(evaluation, data.task, seed)
+            if path.is_file():
+                print(f"{data.task.name} seed {seed}: cached in {path}", flush=True)
+                results.append(json.loads(path.read_text()))
+                continue
+            print(f"{data.task.name} seed {seed}: fine-tuning on {len(data.train):,} examples", flush=True)
+            result = fine_tune(evaluation, data, seed)
+            if state.is_main_process:
+                write_json(path, result)
+            state.wait_for_everyone()
+            scores = ", ".join(f"{key} {metric} {value:.4f}" for key, metrics in result["dev"].items()
+                               for metric, value in metrics.items())
+            print(f"{data.task.name} seed {seed}: {scores} ({result['trainable_parameters']:,} of "
+                  f"{result['total_parameters']:,} parameters trained)", flush=True)
+            results.append(result)
+    summary = summarize(results)
+    if state.is_main_process:
+        write_report(evaluation, summary, results)
+    return summary
+
+
+def write_report(evaluation: Evaluation, summary: dict, results: list[dict]) -> None:
+    options, output_dir = evaluation.options, Path(evaluation.run.output_dir)
+    model_name = Path(options.model).name if Path(options.model).exists() else options.model
+    seeds = {data.task.name: len(seeds_for(data.task, options)) for data in evaluation.tasks}
+    markdown = markdown_report(model_name + (f" (LoRA r={options.lora_r})" if options.lora_r else ""), summary, seeds)
+    (output_dir / "glue.md").write_text(markdown)
+    trainable = {result["task"]: result["trainable_parameters"] for result in results}
+    write_json(output_dir / "glue.json", {
+        "model": options.model, "options": asdict(options), "seeds": seeds, "summary": summary,
+        "eval_results": eval_results(summary), "trainable_parameters": trainable,
+    })
+    bar_chart(model_name, summary, output_dir / "glue.png")
+    print(markdown)
+    print(f"report: {output_dir / 'glue.md'}, {output_dir / 'glue.json'}, {output_dir / 'glue.png'}")
+    checkpoint = Path(options.model)
+    if evaluation.run.write_eval_results and checkpoint.is_dir():
+        write_json(checkpoint / "eval_results.json", eval_results(summary))
+        print(f"eval_results.json written beside the checkpoint: {checkpoint / 'eval_results.json'}")
