@@ -1,12 +1,13 @@
 """Benchmark: how well the planner predicts a step time, and how long its sweep takes, on the CPU.
 
-    python -m cram.bench.plan [--models pythia-14m,pythia-31m,pythia-70m] [--processes 1,2]
+    python -m cram.bench.plan [--models crammed-bert-tiny,crammed-bert-small,pythia-14m] [--processes 1,2]
 
-For each model size and process count, `recipes/plan.py` sweeps one candidate (the plain one on one process,
-ZeRO-1 on two: the candidates the CPU can tell apart least ambiguously) at a smoke shape and then, with --verify,
-launches the emitted winner afresh for as many timed steps: the prediction error is (predicted − observed) ÷
-observed median step time. The sweep's wall time is the planner's whole run (launch, data, micro-batch search,
-timing, verification) as the user waits for it. Results go to stdout and runs/bench-plan/results.json.
+Three model sizes (1.4 M, 4.7 M and 14 M parameters: sizes a loaded 2-core CPU steps in seconds), each on one
+and on two processes. For each, `recipes/plan.py` sweeps one candidate (plain data parallel on one process, ZeRO-1
+on two) at a smoke shape and then, with --verify, launches the emitted winner afresh for as many timed steps:
+the prediction error is (predicted − observed) ÷ observed median step time. The wall time is the planner's
+whole run (launches, data, micro-batch search, timing, verification) as the user waits for it. Results go to
+stdout and runs/bench-plan/results.json.
 """
 
 from __future__ import annotations
@@ -48,12 +49,13 @@ def run_plan(model: str, processes: int, args: argparse.Namespace, output_dir: P
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="pythia-14m,pythia-31m,pythia-70m", help="Comma-separated model names.")
+    parser.add_argument("--models", default="crammed-bert-tiny,crammed-bert-small,pythia-14m",
+                        help="Comma-separated model names.")
     parser.add_argument("--processes", default="1,2", help="Comma-separated CPU process counts (1 and/or 2).")
     parser.add_argument("--seq-len", type=int, default=128, help="Tokens per sequence.")
     parser.add_argument("--global-batch-size", type=int, default=8, help="Sequences per optimizer step.")
     parser.add_argument("--memory-limit", default="4GiB", help="Memory per process the search may use.")
-    parser.add_argument("--steps", type=int, default=5, help="Timed steps, in the sweep and in the verification.")
+    parser.add_argument("--steps", type=int, default=4, help="Timed steps, in the sweep and in the verification.")
     parser.add_argument("--output-dir", default="runs/bench-plan", help="Where the planner runs and results go.")
     args = parser.parse_args()
     output_dir = REPO / args.output_dir
