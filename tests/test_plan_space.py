@@ -18,6 +18,7 @@ from cram.plan.memory import Shape, activation_bytes, predicted_bytes, seed_micr
 from cram.plan.models import count_parameters, model_config
 from cram.plan.search import Probe, largest_dividing, largest_micro_batch
 from cram.plan.space import Candidate, candidate_space, select_candidates
+from cram.plan.sweep import Setting, launch_probe, sweep
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -160,3 +161,24 @@ def test_an_unknown_model_gets_one_sentence_and_exit_status_2(tmp_path):
     lines = completed.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: unknown model 'pythia-7b'"), completed.stderr[-2000:]
     assert not (tmp_path / "out").exists()
+
+
+def test_candidates_that_cannot_run_are_rows_with_reasons_not_crashes(tmp_path):
+    config = model_config("crammed-bert-tiny", 128)
+    shape = Shape.of(config, count_parameters(config), 128, 2, on_cpu=True, activation_bytes=4)
+    setting = Setting("crammed-bert-tiny", 128, 16, 2, True, "CPU", 2**20, 1, 2)
+    rows = sweep([Candidate("zero1"), Candidate("fsdp-full"), Candidate("zero2", True, False, "adamw-8bit")],
+                 setting, shape, 2**20, tmp_path, "CrammedBertLayer", timeout=60, say=lambda _: None)
+    assert [row["status"] for row in rows] == ["infeasible"] * 3
+    assert rows[0]["source"] == "memory model" and "GiB at micro-batch 1 > 0.00 GiB limit" in rows[0]["reason"]
+    assert rows[1]["source"] == "rules" and "FSDP needs GPUs" in rows[1]["reason"]
+    assert rows[2]["source"] == "rules" and "8-bit" in rows[2]["reason"]
+
+
+def test_a_launch_that_fails_is_an_infeasible_row_with_its_last_error(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("distributed_type: NOT_A_TYPE\nnum_processes: 1\n")
+    request = {"result": str(tmp_path / "result.json")}
+    row = launch_probe(broken, request, tmp_path / "request.json", timeout=300)
+    assert row["status"] == "infeasible" and row["reason"].startswith("the launch exited with status")
+    assert "NOT_A_TYPE" in row["reason"] or "Error" in row["reason"], row
