@@ -139,6 +139,7 @@ def plan_recipe():
     (["--model", "crammed-bert-tiny", "--global-batch-size", "33"], {"WORLD_SIZE": "2"},
      "not divisible by the 2 processes"),
     (["--model", "crammed-bert-tiny", "--target", "8xh1000"], {}, "unknown --target"),
+    (["--model", "crammed-bert-tiny", "--target", "8xh100"], {}, "CPU has no peak throughput in the GPU table"),
     (["--model", "pythia-1b", "--memory-limit", "1GiB"], {}, "not even micro-batch 1 of the leanest candidate"),
     (["--model", "crammed-bert-tiny", "--memory-limit", "lots"], {}, "cannot read the memory size"),
     (["--model", "crammed-bert-tiny", "--candidates", "zero1"], {}, "unknown or invalid candidate"),
@@ -182,3 +183,15 @@ def test_a_launch_that_fails_is_an_infeasible_row_with_its_last_error(tmp_path):
     row = launch_probe(broken, request, tmp_path / "request.json", timeout=300)
     assert row["status"] == "infeasible" and row["reason"].startswith("the launch exited with status")
     assert "NOT_A_TYPE" in row["reason"] or "Error" in row["reason"], row
+
+
+def test_a_projection_is_labelled_and_prints_its_assumptions(plan_recipe, capsys):
+    # A winner as measured on 4 A100s (device facts this machine cannot produce): 2.1 M tokens per 10 s step.
+    winner = {"mfu": 0.35, "tokens_per_second": 2_097_152 / 10.0, "step_time": {"median": 10.0},
+              "flops_per_token": 6.5e9}
+    projection = plan_recipe.report_projection("8xh100", winner, 143_000, "NVIDIA A100-SXM4-80GB")
+    printed = capsys.readouterr().out
+    assert projection["label"] == "projection" and "PROJECTION (not measured) to 8 × h100" in printed
+    assert projection["step_seconds"] == pytest.approx(2_097_152 * 6.5e9 / (0.35 * 8 * 989e12))
+    assert len(projection["assumptions"]) == 3 and all(line in printed for line in projection["assumptions"])
+    assert projection["cost_usd"] == pytest.approx((8 * 30_000 + 10_500) * projection["days"] / (5 * 365))
