@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench bench-data data cram-1gpu clean
+.PHONY: setup demo test lint bench bench-data data cram-1gpu clean plan bench-plan
 
 setup: $(STAMP)
 
@@ -38,6 +38,15 @@ bench-data: setup
 
 cram-1gpu: setup
 	$(BIN)/accelerate launch -q --config_file accel_configs/1gpu.yaml recipes/cram.py --budget 24h
+
+# GLUE: fine-tune CKPT on every task with the paper's protocol; CKPT=runs/cram/final by default.
+.PHONY: glue bench-quality
+CKPT ?= runs/cram/final
+glue: setup
+	$(BIN)/accelerate launch -q --config_file accel_configs/1gpu.yaml recipes/glue.py --model $(CKPT)
+
+bench-quality: setup
+	$(BIN)/python -m cram.bench.quality
 
 clean:
 	rm -rf runs .pytest_cache
@@ -94,3 +103,13 @@ pythia-smoke: setup
 			--seq-len 64 --global-batch-size 8 --micro-batch-size 2 --log-every 1 \
 			--output-dir runs/pythia-smoke/$$stage || exit $$?; \
 	done
+
+# The planner: which configuration trains MODEL fastest on the hardware ACCEL_CONFIG describes, and what the run costs.
+MODEL ?= pythia-1b
+ACCEL_CONFIG ?= accel_configs/1gpu.yaml
+plan: setup
+	$(BIN)/accelerate launch -q --config_file $(ACCEL_CONFIG) recipes/plan.py --model $(MODEL) \
+		--output-dir runs/plan/$(MODEL) --verify
+
+bench-plan: setup
+	$(BIN)/python -m cram.bench.plan

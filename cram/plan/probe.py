@@ -126,16 +126,16 @@ def is_out_of_memory(error: BaseException) -> bool:
 def probe_once(run: CandidateRun, gauge: MemoryGauge, micro_batch: int, limit_bytes: float) -> Probe:
     """One optimizer step at `micro_batch` (accumulation 1: the optimizer state is allocated, as in any step)."""
     gauge.reset()
-    error = None
+    out_of_memory = False
     try:
         run.steps(micro_batch, 1, TimingClock(1, run.accelerator.device))
     except Exception as caught:  # noqa: BLE001 - only out-of-memory is a "does not fit"; others go up below
         if not is_out_of_memory(caught):
             raise
-        error = caught
+        out_of_memory = True  # not the exception itself: its traceback would keep the probe's tensors alive
     finally:
         run.release()
-    peak, failed = agree_max(run.accelerator, [gauge.peak(), float(error is not None)])
+    peak, failed = agree_max(run.accelerator, [gauge.peak(), float(out_of_memory)])
     if failed:
         return Probe(micro_batch, False, None, "out of memory on the device")
     if peak > limit_bytes:
@@ -179,8 +179,8 @@ def describe_device(accelerator: Accelerator) -> str:
 
 def run_request(request: dict, accelerator: Accelerator) -> dict:
     enable_tf32()
-    gauge = MemoryGauge(accelerator.device)
     run = CandidateRun(request, accelerator)
+    gauge = MemoryGauge(accelerator.device)  # after the data is loaded: only what the model adds counts
     limit = request["memory_limit_bytes"]
     if limit is None:  # a GPU without --memory-limit: its own memory
         limit = torch.cuda.get_device_properties(accelerator.device).total_memory
