@@ -5,7 +5,6 @@ its losses at the same global batch. Bad input is refused before any step."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -17,6 +16,7 @@ from types import ModuleType
 
 import pytest
 from hub_standin import HubStandIn
+from recipe_import import load_recipe
 from transformers import AutoModelForCausalLM
 
 from cram.data.megatron import tokenized_documents, write_megatron
@@ -148,11 +148,7 @@ def test_zero3_stopped_by_sigterm_resumes_to_the_uninterrupted_losses(
 @pytest.fixture(scope="module")
 def recipe_module() -> ModuleType:
     """recipes/pythia.py imported into this process, so bad input is checked without starting Python each time."""
-    spec = importlib.util.spec_from_file_location("pythia_recipe", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while being defined
-    spec.loader.exec_module(module)
-    return module
+    return load_recipe(RECIPE, "pythia_recipe")
 
 
 def refusal(recipe_module, monkeypatch, arguments: list) -> str:
