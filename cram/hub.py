@@ -14,7 +14,10 @@ import argparse
 import os
 import re
 import shlex
+import shutil
+import sys
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -217,6 +220,40 @@ def push_checkpoint(
             f"the Hugging Face Hub at {endpoint} refused to push {repo_id} (HTTP {status}: {reason}); {later}."
         ) from err
     return str(commit.commit_url)
+
+
+class BackgroundPusher:
+    """Push checkpoint folders from a background thread, one at a time in the order given, so a training step
+    never waits for an upload (on rank 0, a slow one would also keep the other ranks waiting in the next
+    collective); `finish()` waits for the pending ones.
+
+    A pushed folder is deleted (give it a copy made for the upload); one whose push fails is kept, and a warning
+    says how to push it later: a failed intermediate push must not end a long run.
+    """
+
+    def __init__(self, repo_id: str, *, private: bool = True) -> None:
+        self.repo_id = repo_id
+        self.private = private
+        self._uploads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hub-push")
+        self._pending: list[Future] = []
+
+    def submit(self, folder: str | Path, revision: str) -> None:
+        self._pending.append(self._uploads.submit(self._push, Path(folder), revision))
+
+    def finish(self) -> None:
+        """Wait until every submitted folder is pushed (or has failed with a warning)."""
+        for upload in self._pending:
+            upload.result()
+        self._pending.clear()
+        self._uploads.shutdown()
+
+    def _push(self, folder: Path, revision: str) -> None:
+        try:
+            push_checkpoint(folder, self.repo_id, private=self.private, revision=revision)
+        except UserError as err:
+            print(f"warning: {err}", file=sys.stderr)
+            return
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> None:

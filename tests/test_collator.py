@@ -2,7 +2,7 @@
 
 import torch
 
-from cram.data.collator import MaskedLMCollator
+from cram.data.collator import MaskedLMCollator, hashed_uniform
 
 SPECIALS = [0, 1, 2, 3, 4]
 MASK_ID = 4
@@ -42,3 +42,60 @@ def test_special_tokens_are_not_masked_while_ordinary_ones_remain():
     input_ids[:, ::4] = 3  # a [SEP] every fourth position: 32 specials, 96 ordinary tokens
     batch = MaskedLMCollator(MASK_ID, 1000, SPECIALS)(input_ids)
     assert (batch["labels"][:, ::4] == -100).all()
+
+
+# Training masks through `hashed_uniform`, keyed by each sequence's serial (see cram.train.sampling): the tests
+# below run that path, as the data loader of a run calls it.
+
+
+def serial_batch(serials: torch.Tensor, vocab_size: int = 30000, seed: int = 0) -> tuple[torch.Tensor, dict]:
+    original = torch.randint(5, vocab_size, (len(serials), 128), generator=torch.Generator().manual_seed(0))
+    collator = MaskedLMCollator(MASK_ID, vocab_size, SPECIALS, seed=seed)
+    return original, collator({"input_ids": original.clone(), "serials": serials})
+
+
+def test_the_training_path_masks_exactly_a_quarter_with_an_80_10_10_split():
+    original, batch = serial_batch(torch.arange(1000, 1256))
+    masked = batch["labels"] != -100
+    assert (masked.sum(dim=1) == 32).all()
+    assert torch.equal(batch["labels"][masked], original[masked])
+    assert torch.equal(batch["input_ids"][~masked], original[~masked])
+    inputs = batch["input_ids"][masked]
+    total = masked.sum().item()
+    as_mask = (inputs == MASK_ID).sum().item() / total
+    kept = (inputs == original[masked]).sum().item() / total
+    assert abs(as_mask - 0.8) < 0.01 and abs(kept - 0.1) < 0.01 and abs(1 - as_mask - kept - 0.1) < 0.01
+    assert not torch.isin(inputs[inputs != MASK_ID], torch.tensor(SPECIALS)).any()
+
+
+def test_hashed_draws_are_uniform_and_their_streams_independent():
+    serials = torch.arange(2**33, 2**33 + 4096)  # serials past 32 bits too
+    draws = [hashed_uniform(7, serials, 128, stream) for stream in range(3)]
+    for values in draws:
+        assert values.min() >= 0.0 and values.max() < 1.0
+        shares = torch.histc(values, bins=20, min=0.0, max=1.0) / values.numel()
+        assert (shares - 0.05).abs().max() < 0.002  # 524,288 draws: the binomial spread is about 0.0003
+        assert abs(values.mean().item() - 0.5) < 0.002
+    assert abs((draws[0] * draws[1]).mean().item() - 0.25) < 0.002  # uncorrelated streams
+    assert abs((draws[0][:, :-1] * draws[0][:, 1:]).mean().item() - 0.25) < 0.002  # and neighbouring positions
+    assert abs((draws[0][:-1] * draws[0][1:]).mean().item() - 0.25) < 0.002  # and neighbouring serials
+    assert (draws[0] != hashed_uniform(7, serials - 2**33, 128, 0)).float().mean() > 0.99  # the high bits count
+
+
+def test_a_sequences_mask_depends_on_the_seed_and_its_serial_alone():
+    original, whole = serial_batch(torch.arange(16))
+    collator = MaskedLMCollator(MASK_ID, 30000, SPECIALS)
+    # The same sequences in another grouping and order, as another process count or a resumed run sees them.
+    picked = torch.tensor([9, 2, 15])
+    alone = collator({"input_ids": original[picked].clone(), "serials": picked})
+    assert torch.equal(alone["input_ids"], whole["input_ids"][picked])
+    assert torch.equal(alone["labels"], whole["labels"][picked])
+    # The torch generator plays no part.
+    torch.manual_seed(123)
+    again = collator({"input_ids": original.clone(), "serials": torch.arange(16)})
+    assert torch.equal(again["input_ids"], whole["input_ids"])
+    # Another serial or another seed masks the same tokens differently.
+    shifted = collator({"input_ids": original.clone(), "serials": torch.arange(16) + 16})
+    _, reseeded = serial_batch(torch.arange(16), seed=1)
+    for other in (shifted, reseeded):
+        assert not torch.equal(other["labels"] != -100, whole["labels"] != -100)

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from cram.data import DataOptions, is_prepared, load_prepared, prepare
-from cram.data.cache import cache_key
-from cram.data.prepare import OPTIONS_FILE
+from cram.data.prepare import OPTIONS_FILE, data_cache_key
+from cram.data.sources import resolve_sources
 from cram.errors import UserError
 
-# One changed value per option: each must change the key.
+# One changed value per option: each must change the key. "sources" names the corpus at a different weight.
 CHANGED_VALUES = {
-    "sources": ["embedded:0.5"],
+    "sources": None,
     "vocab_size": 1000,
     "seq_len": 64,
     "trash_cutoff": 0.3,
@@ -39,17 +39,30 @@ CHANGED_VALUES = {
 }
 
 
-def key_of(options: DataOptions) -> str:
-    resolved = {name: value for name, value in dataclasses.asdict(options).items() if name != "sources"}
-    return cache_key(resolved, [options.sources])
+def key_of(options: DataOptions, cache_dir: Path) -> str:
+    """The key `prepare` itself files `options` under, from the sources as `prepare` resolves them."""
+    return data_cache_key(options, resolve_sources(options.sources, cache_dir))
 
 
-def test_every_option_changes_the_key_and_nothing_else_does():
+def test_every_option_changes_the_key_prepare_uses(tmp_path, corpus):
     assert set(CHANGED_VALUES) == {field.name for field in dataclasses.fields(DataOptions)}
-    base = key_of(DataOptions())
-    assert key_of(DataOptions()) == base
-    for name, value in CHANGED_VALUES.items():
-        assert key_of(dataclasses.replace(DataOptions(), **{name: value})) != base, name
+    base_options = small_options(corpus)
+    base = key_of(base_options, tmp_path)
+    assert key_of(small_options(corpus), tmp_path) == base
+    changed_values = {**CHANGED_VALUES, "sources": [f"{corpus}:0.5"]}
+    for name, value in changed_values.items():
+        assert key_of(dataclasses.replace(base_options, **{name: value}), tmp_path) != base, name
+
+
+def test_the_same_file_named_two_ways_shares_one_key(tmp_path, corpus, monkeypatch):
+    monkeypatch.chdir(corpus.parent)
+    assert key_of(small_options(Path(corpus.name)), tmp_path) == key_of(small_options(corpus), tmp_path)
+
+
+def test_prepare_files_its_set_under_that_key(tmp_path, corpus):
+    options = small_options(corpus)
+    prepared = prepare(options, cache_dir=tmp_path / "cache", num_proc=1, progress=False)
+    assert prepared.path == tmp_path / "cache" / key_of(options, tmp_path / "cache")
 
 
 @pytest.fixture
@@ -110,12 +123,12 @@ def test_killed_run_leaves_nothing_usable_and_the_next_run_recovers(tmp_path, em
         "num_proc=1, progress=False)"
     )
     process = subprocess.Popen([sys.executable, "-c", script])
-    deadline = time.monotonic() + 60
-    # Kill it once it has started writing its temporary folder.
-    while not list(tmp_path.glob(".out.tmp-*")) and time.monotonic() < deadline and process.poll() is None:
-        time.sleep(0.05)
-    time.sleep(1.0)
-    assert process.poll() is None, "preparation finished before it could be interrupted"
+    # Kill it once it is writing the documents into its temporary folder, the first of several stages: however
+    # fast or slow the machine, the kill then lands mid-preparation.
+    deadline = time.monotonic() + 1800  # a guard against a hang, not a speed limit
+    while not list(tmp_path.glob(".out.tmp-*/work/documents.arrow")) and process.poll() is None:
+        assert time.monotonic() < deadline, "preparation never started writing"
+        time.sleep(0.01)
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
     assert list(tmp_path.glob(".out.tmp-*")), "the killed run left no temporary folder to check"

@@ -7,7 +7,7 @@
 
 from cram.data.corpus import embedded_corpus_path
 from cram.data.options import SPECIAL_TOKENS, DataOptions
-from cram.data.prepare import PreparedData, is_prepared, load_prepared, prepare
+from cram.data.prepare import PreparedData, is_prepared, load_prepared, prepare, prepared_path
 
 __all__ = [
     "SPECIAL_TOKENS",
@@ -17,4 +17,5 @@ __all__ = [
     "is_prepared",
     "load_prepared",
     "prepare",
+    "prepared_path",
 ]

@@ -154,7 +154,8 @@ class Meter:
     def __init__(self, accelerator: Accelerator, flops_per_token: float | None, state: TrainState):
         self.accelerator = accelerator
         self.flops_per_token = flops_per_token
-        self.peak = peak_flops(accelerator.device)
+        # The token rate counts every process, so the peak is that of all the processes' devices together.
+        self.peak = peak_flops(accelerator.device, accelerator.num_processes)
         self.since = time.perf_counter()
         self.tokens_then = state.tokens
         self.sequences_then = state.sequences

@@ -3,24 +3,60 @@
 from __future__ import annotations
 
 import gc
+import importlib.metadata
 import os
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TypeVar
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, parse_flag_from_env
+from accelerate.utils import DynamoBackend, InitProcessGroupKwargs, TorchDynamoPlugin, parse_flag_from_env
+from packaging.version import Version
 
 from cram.errors import UserError
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 COMPILE_CHOICES = ("auto", "true", "false")
+# NCCL's own default is 10 minutes; gathering a large model's full state for a checkpoint can take longer.
+COLLECTIVE_TIMEOUT_MINUTES = 30.0
+Result = TypeVar("Result")
+# The oldest versions a training run was tested with (pyproject.toml's floors). Older ones fail quietly: before
+# accelerate 1.8, `DeepSpeedEngineWrapper.backward` ignores `sync_gradients`, so every micro-batch of an
+# accumulation becomes an optimizer step on a down-scaled loss; FSDP2 needs accelerate 1.6.
+MINIMUM_VERSIONS = {
+    "torch": "2.13",
+    "accelerate": "1.15",
+    "transformers": "5.23",
+    "datasets": "5.2",
+    "tokenizers": "0.23",
+    "deepspeed": "0.19.8",
+    "safetensors": "0.8",
+    "huggingface_hub": "2.4",
+}
+
+
+def check_installed_versions(installed: Callable[[str], str] = importlib.metadata.version) -> None:
+    """Refuse to start with a package older than the version the training code was tested with."""
+    for package, minimum in MINIMUM_VERSIONS.items():
+        try:
+            version = installed(package)
+        except importlib.metadata.PackageNotFoundError:
+            continue  # an optional path (DeepSpeed) that the launch may not use; importing it would say so
+        if Version(version).release < Version(minimum).release:
+            raise UserError(
+                f"{package} {version} is installed but cram needs {package}>={minimum}: run "
+                f"pip install -U '{package}>={minimum}'."
+            )
 
 
 def resolve_precision(choice: str, device_type: str) -> str:
     """Accelerate's `mixed_precision` value for a `--precision` choice.
 
-    `auto` keeps a precision the launch config asked for; otherwise bf16 autocast on GPUs that support it,
-    fp16 on older GPUs, bf16 on CPUs with native bf16 matrix units (AMX or AVX512-BF16, where `make bench`
-    measured it several times faster than fp32), and fp32 on other CPUs.
+    `auto` keeps a precision the launch config asked for; otherwise bf16 autocast on GPUs with bf16 tensor cores
+    (compute capability 8.0 and newer), fp16 on older GPUs, bf16 on CPUs with native bf16 matrix units (AMX or
+    AVX512-BF16, where `make bench` measured it several times faster than fp32), and fp32 on other CPUs.
     """
     if choice not in PRECISIONS:
         raise UserError(f"unknown precision {choice!r}: choose one of {', '.join(PRECISIONS)}.")
@@ -32,8 +68,14 @@ def resolve_precision(choice: str, device_type: str) -> str:
     if launched_with != "no":
         return launched_with
     if device_type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return "bf16" if gpu_has_bf16_units() else "fp16"
     return "bf16" if cpu_has_bf16_units() else "no"
+
+
+def gpu_has_bf16_units() -> bool:
+    """Native bf16 on this GPU (Ampere and newer). `torch.cuda.is_bf16_supported()` also says yes where bf16 is
+    only emulated (V100, T4: compute capability 7.x), which is slow there and keeps fp16 from ever running."""
+    return torch.cuda.get_device_capability() >= (8, 0)
 
 
 def cpu_has_bf16_units() -> bool:
@@ -85,25 +127,69 @@ def use_cpu_cores() -> None:
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_processes))
 
 
-def build_accelerator(precision: str, log_with: str | None, project_dir: str) -> Accelerator:
+def build_accelerator(
+    precision: str, compile_choice: str, log_with: str | None, project_dir: str,
+    collective_timeout_minutes: float = COLLECTIVE_TIMEOUT_MINUTES,
+) -> Accelerator:
     """The Accelerator for the launch config's choice of DDP, DeepSpeed or FSDP, on GPUs or the CPU.
 
     `cpu=True` lets torchrun start several CPU processes (MULTI_CPU over gloo). DeepSpeed ignores `cpu`, and on a
     machine without a GPU Accelerate finds no backend for it and reports one process; naming gloo fixes both.
+    Compilation goes through Accelerate's dynamo plugin, so `prepare` compiles the way each distributed type needs:
+    the DDP-wrapped model, FSDP2's model after sharding, and DeepSpeed through the engine's own `compile()`
+    (compiling the engine object from outside would trace DeepSpeed's hooks and bookkeeping too).
     """
+    check_installed_versions()
     device_type = launch_device_type()
     check_process_count(device_type)
     if device_type == "cpu":
         use_cpu_cores()
     deepspeed = parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
-    handlers = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and device_type == "cpu" else []
+    group = {"timeout": timedelta(minutes=collective_timeout_minutes)}
+    if deepspeed and device_type == "cpu":
+        group["backend"] = "gloo"
+    compiled = resolve_compile(compile_choice, device_type)
     return Accelerator(
         cpu=device_type == "cpu" and not deepspeed,
         mixed_precision=resolve_precision(precision, device_type),
         log_with=log_with,
         project_dir=project_dir,
-        kwargs_handlers=handlers,
+        kwargs_handlers=[InitProcessGroupKwargs(**group)],
+        dynamo_plugin=TorchDynamoPlugin(backend="inductor" if compiled else "no"),
     )
+
+
+def is_compiled(accelerator: Accelerator) -> bool:
+    """Whether `prepare` compiles the model."""
+    return accelerator.state.dynamo_plugin.backend != DynamoBackend.NO
+
+
+def local_main_first(
+    accelerator: Accelerator, work: Callable[[], Result], ready: Callable[[], bool], poll_seconds: float = 2.0
+) -> Result:
+    """`work` on each machine's local main process first, then on the others, which find its result cached.
+
+    Unlike Accelerate's `local_main_process_first`, the waiting processes poll `ready` instead of sitting in a
+    barrier, so work longer than the process group's timeout (preparing a large corpus takes hours; NCCL's
+    timeout is 10 minutes by default) does not end the run. The processes agree once all are done.
+    """
+    if not accelerator.is_local_main_process:
+        while not ready():
+            time.sleep(poll_seconds)
+    result = work()
+    accelerator.wait_for_everyone()
+    return result
+
+
+def check_optimizer_for_deepspeed(deepspeed_config: dict | None, eight_bit: bool) -> None:
+    """Refuse an 8-bit optimizer where DeepSpeed would silently replace it (ZeRO optimizer offload)."""
+    offload = (deepspeed_config or {}).get("zero_optimization", {}).get("offload_optimizer") or {}
+    if eight_bit and offload.get("device", "none") != "none":
+        raise UserError(
+            "--optimizer adamw-8bit cannot run under a DeepSpeed config that offloads the optimizer (DeepSpeed "
+            "would replace it with its 32-bit CPU Adam with L2 decay): use --optimizer adamw, or a config without "
+            "offload_optimizer."
+        )
 
 
 def configure_deepspeed(

@@ -1,0 +1,227 @@
+"""One candidate, in its own launch: the micro-batch search, then timed optimizer steps of the recipes' loop.
+
+    accelerate launch -q --config_file PAIR.yaml -m cram.plan.probe REQUEST.json
+
+The parent (`recipes/plan.py`) writes the request and the launch config pair; this process group builds the model,
+optimizer and Accelerate/DeepSpeed set-up exactly as the recipes do (`build_accelerator`, `configure_deepspeed`,
+`accelerator.prepare`, `cram.train.loop.train`), once per probe, and rank 0 writes RESULT.json. A failure of any
+kind is a result ("infeasible", with its reason), not a crash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from cram.data import DataOptions, is_prepared, prepare, prepared_path
+from cram.data.collator import MaskedLMCollator
+from cram.plan.models import build_model, flops_per_token, is_causal, model_config
+from cram.plan.search import Probe, largest_dividing, largest_micro_batch
+from cram.plan.space import Candidate
+from cram.plan.timing import MemoryGauge, StepTimes, TimingClock
+from cram.train.loop import train
+from cram.train.optim import build_adamw
+from cram.train.runtime import (
+    build_accelerator,
+    check_optimizer_for_deepspeed,
+    configure_deepspeed,
+    enable_tf32,
+    is_compiled,
+    local_main_first,
+)
+from cram.train.sampling import stream_loader
+from cram.train.state import TrainState
+from cram.train.throughput import peak_flops
+
+# Pythia's tokenizer cannot be fetched here; any real text in ids below the vocabulary times the same (dense model).
+PYTHIA_STANDIN_VOCAB = 8192
+# A process that ran out of memory alone leaves the others waiting in a collective: they give up after this, so
+# the launch ends and the candidate is recorded as infeasible instead of hanging the sweep.
+COLLECTIVE_TIMEOUT_MINUTES = 10.0
+
+
+def causal_lm_batch(items: dict) -> dict[str, torch.Tensor]:
+    return {"input_ids": items["input_ids"], "labels": items["input_ids"]}
+
+
+class CandidateRun:
+    """Builds the candidate's model and optimizer through Accelerate at a given micro-batch, and steps it."""
+
+    def __init__(self, request: dict, accelerator: Accelerator):
+        self.request = request
+        self.accelerator = accelerator
+        self.candidate = Candidate(**request["candidate"])
+        self.seq_len = request["seq_len"]
+        self.global_batch_size = request["global_batch_size"]
+        self.config = model_config(request["model"], self.seq_len)
+        self.compile = is_compiled(accelerator)
+        plugin = accelerator.state.deepspeed_plugin
+        check_optimizer_for_deepspeed(plugin and plugin.deepspeed_config, self.candidate.optimizer == "adamw-8bit")
+        # configure_deepspeed fills the "auto" fields in place; each probe starts again from the file's values.
+        self.deepspeed_file_config = copy.deepcopy(plugin.deepspeed_config) if plugin is not None else None
+        self.blocks, self.collate = self._data(request.get("cache_dir"))
+
+    def _data(self, cache_dir: str | None):
+        """Real text, prepared (or found cached) by each machine's first process, as the recipes do."""
+        causal = is_causal(self.request["model"])
+        vocab_size = PYTHIA_STANDIN_VOCAB if causal else self.config.vocab_size
+        options = DataOptions(sources=["embedded"], vocab_size=vocab_size, seq_len=self.seq_len)
+        target = prepared_path(options, cache_dir)
+        data = local_main_first(self.accelerator, lambda: prepare(options, cache_dir=cache_dir),
+                                ready=lambda: is_prepared(target))
+        if causal:
+            return data.dataset, causal_lm_batch
+        return data.dataset, MaskedLMCollator.for_tokenizer(data.tokenizer, self.config.sparse_prediction, seed=0)
+
+    def release(self) -> None:
+        self.accelerator.free_memory()
+        gc.collect()
+
+    def steps(self, micro_batch: int, accumulation: int, clock: TimingClock) -> None:
+        """Build everything afresh at `micro_batch` and run `clock.max_steps` optimizer steps of the loop."""
+        accelerator = self.accelerator
+        plugin = accelerator.state.deepspeed_plugin
+        if plugin is not None:
+            plugin.deepspeed_config.clear()
+            plugin.deepspeed_config.update(copy.deepcopy(self.deepspeed_file_config))
+        set_seed(0)
+        model = build_model(self.config)
+        if self.candidate.checkpointing:
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        optimizer = build_adamw(model, 1e-4, (0.9, 0.95), 1e-8, 0.01,
+                                eight_bit=self.candidate.optimizer == "adamw-8bit")
+        configure_deepspeed(accelerator, micro_batch, self.global_batch_size, 1.0)
+        model, optimizer = accelerator.prepare(model, optimizer)  # compiles too, where the launch resolved it
+        batches = iter(stream_loader(
+            self.blocks, self.collate, start=0, micro_batch_size=micro_batch,
+            process_index=accelerator.process_index, num_processes=accelerator.num_processes,
+            pin_memory=accelerator.device.type == "cuda",
+        ))
+        train(model, optimizer, batches, accelerator, clock, TrainState(), peak_lr=1e-4, lr_shape=lambda _: 1.0,
+              accumulation_at=lambda _: accumulation, max_grad_norm=1.0, log_every=10**9, show_progress=False)
+
+
+def agree_max(accelerator: Accelerator, values: list[float]) -> list[float]:
+    """The largest value of each entry over all processes (a probe fails if it fails anywhere)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
+    if accelerator.num_processes > 1:
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def probe_once(run: CandidateRun, gauge: MemoryGauge, micro_batch: int, limit_bytes: float) -> Probe:
+    """One optimizer step at `micro_batch` (accumulation 1: the optimizer state is allocated, as in any step)."""
+    gauge.reset()
+    out_of_memory = False
+    try:
+        run.steps(micro_batch, 1, TimingClock(1, run.accelerator.device))
+    except Exception as caught:  # noqa: BLE001 - only out-of-memory is a "does not fit"; others go up below
+        if not is_out_of_memory(caught):
+            raise
+        out_of_memory = True  # not the exception itself: its traceback would keep the probe's tensors alive
+    finally:
+        run.release()
+    peak, failed = agree_max(run.accelerator, [gauge.peak(), float(out_of_memory)])
+    if failed:
+        return Probe(micro_batch, False, None, "out of memory on the device")
+    if peak > limit_bytes:
+        return Probe(micro_batch, False, peak, f"{peak / 2**30:.2f} GiB > {limit_bytes / 2**30:.2f} GiB limit")
+    return Probe(micro_batch, True, peak)
+
+
+def time_steps(run: CandidateRun, gauge: MemoryGauge, micro_batch: int, warmup: int, timed: int) -> dict:
+    """Warm-up plus timed optimizer steps at the recipe's accumulation; step times agreed as rank 0's marks."""
+    per_process = run.global_batch_size // run.accelerator.num_processes
+    accumulation = per_process // micro_batch
+    gauge.reset()
+    clock = TimingClock(warmup + timed, run.accelerator.device)
+    try:
+        run.steps(micro_batch, accumulation, clock)
+    finally:
+        run.release()
+    times = StepTimes(clock.step_seconds()[warmup:])
+    (peak,) = agree_max(run.accelerator, [gauge.peak()])
+    tokens_per_second = run.global_batch_size * run.seq_len / times.median
+    per_token = flops_per_token(run.config, run.seq_len)
+    peak_device_flops = peak_flops(run.accelerator.device)
+    return {
+        "micro_batch": micro_batch,
+        "accumulation": accumulation,
+        "step_time": times.to_dict(),
+        "tokens_per_second": tokens_per_second,
+        "flops_per_token": per_token,
+        "peak_flops_per_device": peak_device_flops,
+        "mfu": tokens_per_second * per_token / (peak_device_flops * run.accelerator.num_processes)
+        if peak_device_flops else None,
+        "peak_memory_bytes": peak,
+    }
+
+
+def describe_device(accelerator: Accelerator) -> str:
+    if accelerator.device.type == "cuda":
+        return torch.cuda.get_device_name(accelerator.device)
+    return "CPU"
+
+
+def run_request(request: dict, accelerator: Accelerator) -> dict:
+    enable_tf32()
+    run = CandidateRun(request, accelerator)
+    gauge = MemoryGauge(accelerator.device)  # after the data is loaded: only what the model adds counts
+    limit = request["memory_limit_bytes"]
+    if limit is None:  # a GPU without --memory-limit: its own memory
+        limit = torch.cuda.get_device_properties(accelerator.device).total_memory
+    facts = {"device": describe_device(accelerator), "num_processes": accelerator.num_processes,
+             "distributed_type": str(accelerator.distributed_type), "mixed_precision": accelerator.mixed_precision,
+             "compile": run.compile, "memory_limit_bytes": limit}
+    per_process = request["global_batch_size"] // accelerator.num_processes
+    if request["mode"] == "time":
+        return {**facts, "status": "ok", **time_steps(run, gauge, request["micro_batch"], request["warmup_steps"],
+                                                      request["timed_steps"])}
+    search = largest_micro_batch(lambda size: probe_once(run, gauge, size, limit),
+                                 seed=request["seed_micro_batch"], ceiling=per_process)
+    probes = [vars(probe) for probe in search.probes]
+    micro_batch = largest_dividing(search.largest, per_process)
+    if micro_batch == 0:
+        return {**facts, "status": "infeasible", "reason": f"micro-batch 1 does not fit: {search.failure}",
+                "probes": probes}
+    timing = time_steps(run, gauge, micro_batch, request["warmup_steps"], request["timed_steps"])
+    return {**facts, "status": "ok", "largest_fitting": search.largest, "probes": probes, **timing}
+
+
+def main() -> None:
+    request_path = Path(sys.argv[1])
+    request = json.loads(request_path.read_text())
+    result_path = Path(request["result"])
+    accelerator = build_accelerator(request["precision"], request["compile"], None, str(result_path.parent),
+                                    COLLECTIVE_TIMEOUT_MINUTES)
+    try:
+        result = run_request(request, accelerator)
+    except Exception as error:  # noqa: BLE001 - a failing candidate is a row of the table, not a crashed sweep
+        traceback.print_exc()
+        result = {"status": "infeasible", "reason": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+                  if str(error) else type(error).__name__}
+    if accelerator.is_main_process:
+        partial = result_path.with_suffix(".partial")
+        partial.write_text(json.dumps(result, indent=2) + "\n")
+        os.replace(partial, result_path)
+    with contextlib.suppress(Exception):
+        accelerator.wait_for_everyone()
+        accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

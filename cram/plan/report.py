@@ -1,0 +1,68 @@
+"""The plan as a markdown table, a JSON file and a chart (PNG), each written under a temporary name first."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from cram.plan.emit import write_atomically
+
+
+def _number(value: float | None, fmt: str) -> str:
+    return "–" if value is None else format(value, fmt)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = [
+        "| # | candidate | micro-batch × accum. | step time (s) | tokens/s | MFU | peak memory (GiB) | days | cost ($) "
+        "| analytic days | measured ÷ analytic | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for rank, row in enumerate(rows, 1):
+        if row["status"] != "ok":
+            lines.append(f"| – | {row['candidate']} | | | | | | | | | | infeasible: {row['reason']} |")
+            continue
+        time = row["step_time"]
+        lines.append(
+            f"| {rank} | {row['candidate']} | {row['micro_batch']} × {row['accumulation']} "
+            f"| {time['median']:.3f} ± {time['spread']:.1%} | {row['tokens_per_second']:,.0f} "
+            f"| {_number(row.get('mfu'), '.1%')} | {row['peak_memory_bytes'] / 2**30:.2f} "
+            f"| {row['days']:.2f} | {_number(row.get('cost_usd'), ',.0f')} "
+            f"| {_number(row.get('analytic_days'), '.2f')} | {_number(row.get('measured_over_analytic'), '.2f')} "
+            f"| {row['source']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_chart(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [row["candidate"] for row in rows]
+    seconds = [row["step_time"]["median"] if row["status"] == "ok" else 0.0 for row in rows]
+    errors = [row["step_time"]["median"] * row["step_time"]["spread"] if row["status"] == "ok" else 0.0
+              for row in rows]
+    figure, axes = plt.subplots(figsize=(8, 0.4 * len(rows) + 1.5))
+    positions = range(len(rows))
+    axes.barh(positions, seconds, xerr=errors, color=["tab:blue" if s else "lightgrey" for s in seconds])
+    for position, row in zip(positions, rows, strict=True):
+        if row["status"] != "ok":
+            axes.text(0, position, "  infeasible", va="center", fontsize=8, color="dimgrey")
+    axes.set_yticks(list(positions), names, fontsize=8)
+    axes.invert_yaxis()
+    axes.set_xlabel("optimizer step time (s), median ± half range")
+    axes.set_title(title, fontsize=10)
+    figure.tight_layout()
+    partial = path.with_name(path.stem + ".partial.png")
+    figure.savefig(partial, dpi=100)
+    plt.close(figure)
+    os.replace(partial, path)
+
+
+def write_reports(plan: dict, output_dir: Path) -> None:
+    write_atomically(output_dir / "plan.json", json.dumps(plan, indent=2) + "\n")
+    write_atomically(output_dir / "plan.md", f"# {plan['title']}\n\n{markdown_table(plan['rows'])}")
+    write_chart(plan["rows"], output_dir / "plan.png", plan["title"])

@@ -1,0 +1,151 @@
+"""The sweep: prune by the memory model, launch one probe per surviving candidate (cached per model, hardware and
+candidate, so an interrupted sweep continues), and turn the results into the estimate table."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from cram.plan.cost import SECONDS_PER_DAY, amortised_cost, analytic_days
+from cram.plan.emit import write_atomically, write_pair
+from cram.plan.memory import Shape, prune_reason, seed_micro_batch
+from cram.plan.space import Candidate
+
+# Launcher variables of a parent started by `accelerate launch`: a child launch must not inherit them.
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                    "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Everything a probe's result depends on besides the candidate: the cache key."""
+
+    model: str
+    seq_len: int
+    global_batch_size: int
+    num_processes: int
+    use_cpu: bool
+    device: str
+    memory_limit_bytes: int | None
+    warmup_steps: int
+    timed_steps: int
+
+    def key(self) -> str:
+        text = json.dumps(vars(self), sort_keys=True)
+        return f"{self.model}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def child_environment() -> dict[str, str]:
+    return {name: value for name, value in os.environ.items()
+            if name not in LAUNCH_VARIABLES and not name.startswith(("ACCELERATE_", "TORCHELASTIC_"))}
+
+
+def launch_probe(accelerate_file: Path, request: dict, request_file: Path, timeout: float) -> dict:
+    """Run one probe launch; its result, or an infeasible row with the reason it gave no result."""
+    result_file = Path(request["result"])
+    write_atomically(request_file, json.dumps(request, indent=2) + "\n")
+    accelerate = Path(sys.executable).with_name("accelerate")
+    command = [str(accelerate), "launch", "-q", "--config_file", str(accelerate_file),
+               "--main_process_port", str(free_port()), "-m", "cram.plan.probe", str(request_file)]
+    log_file = result_file.with_suffix(".log")
+    try:
+        with open(log_file, "w") as log:
+            completed = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=child_environment(),
+                                       timeout=timeout, start_new_session=True)
+        returncode = completed.returncode
+    except subprocess.TimeoutExpired:
+        return {"status": "infeasible", "reason": f"no result within {timeout:g} s (hung or too slow)"}
+    if result_file.exists():
+        return json.loads(result_file.read_text())
+    return {"status": "infeasible", "reason": f"the launch exited with status {returncode}: {last_error(log_file)}"}
+
+
+def last_error(log_file: Path) -> str:
+    """The last line of the launch's output that names an error (the launcher's own banner says nothing)."""
+    lines = [line.strip() for line in log_file.read_text(errors="replace").splitlines()]
+    errors = [line for line in lines if ("Error" in line or "error:" in line) and "ChildFailedError" not in line]
+    return (errors or [line for line in lines if line] or ["no output"])[-1][:300]
+
+
+def sweep(candidates: list[Candidate], setting: Setting, shape: Shape, limit_bytes: float, work_dir: Path,
+          layer_class: str, timeout: float, say=print) -> list[dict]:
+    """One row per candidate: measured, from the cache, or infeasible by rule or by the memory model."""
+    cache = work_dir / "cache" / setting.key()
+    rows = []
+    for index, candidate in enumerate(candidates, 1):
+        row = {"candidate": candidate.name, **candidate.to_dict()}
+        cached = cache / f"{candidate.name}.json"
+        if candidate.is_fsdp and setting.use_cpu:
+            row.update(status="infeasible", source="rules", reason="FSDP needs GPUs: on the CPU Accelerate falls "
+                       "back to MULTI_CPU data parallel, with no sharding to measure")
+        elif candidate.optimizer == "adamw-8bit" and candidate.offload and candidate.is_deepspeed:
+            row.update(status="infeasible", source="rules", reason="DeepSpeed replaces an 8-bit optimizer with its "
+                       "32-bit CPU Adam when it offloads the optimizer (see check_optimizer_for_deepspeed)")
+        elif (reason := prune_reason(candidate, shape, limit_bytes)) is not None:
+            row.update(status="infeasible", source="memory model", reason=reason)
+        elif cached.exists():
+            row.update(json.loads(cached.read_text()), source="cache")
+        else:
+            say(f"[{index}/{len(candidates)}] measuring {candidate.name} ...")
+            accelerate_file = write_pair(candidate, cache / "pairs", setting.num_processes, setting.use_cpu,
+                                         layer_class)
+            request = {
+                "mode": "search", "model": setting.model, "candidate": candidate.to_dict(),
+                "seq_len": setting.seq_len, "global_batch_size": setting.global_batch_size,
+                "memory_limit_bytes": setting.memory_limit_bytes,
+                "seed_micro_batch": seed_micro_batch(candidate, shape, limit_bytes),
+                "warmup_steps": setting.warmup_steps, "timed_steps": setting.timed_steps,
+                "precision": "auto", "compile": "auto", "cache_dir": os.environ.get("CRAM_CACHE"),
+                "result": str(cached),
+            }
+            result = launch_probe(accelerate_file, request, cache / f"{candidate.name}.request.json", timeout)
+            if not cached.exists():  # a launch that wrote nothing: its failure is the cached result
+                write_atomically(cached, json.dumps(result, indent=2) + "\n")
+            row.update(result, source="measured")
+        say(f"    {candidate.name}: {describe_row(row)}")
+        rows.append(row)
+    return rows
+
+
+def describe_row(row: dict) -> str:
+    if row["status"] != "ok":
+        return f"infeasible ({row['reason']})"
+    time = row["step_time"]
+    return (f"micro-batch {row['micro_batch']} × {row['accumulation']} accumulation, "
+            f"{time['median']:.3f} s/step ± {time['spread']:.1%} ({row['source']})")
+
+
+def add_estimates(rows: list[dict], steps: int | None, budget_hours: float | None, tokens_per_step: int,
+                  hardware_price: float | None) -> list[dict]:
+    """Days and cost of the full run for every feasible row, with the FLOP-based estimate; sorted fastest first."""
+    for row in rows:
+        if row["status"] != "ok":
+            continue
+        step_seconds = row["step_time"]["median"]
+        if steps is not None:
+            row["days"] = steps * step_seconds / SECONDS_PER_DAY
+            total_tokens = steps * tokens_per_step
+        else:  # a wall-clock recipe: the budget is the time; the steps are what it buys
+            row["days"] = budget_hours / 24
+            row["steps_in_budget"] = int(budget_hours * 3600 / step_seconds)
+            total_tokens = row["steps_in_budget"] * tokens_per_step
+        row["cost_usd"] = amortised_cost(hardware_price, row["days"])
+        if row.get("peak_flops_per_device"):
+            analytic = analytic_days(total_tokens, row["flops_per_token"], row["num_processes"],
+                                     row["peak_flops_per_device"])
+            row["analytic_days"] = analytic
+            row["measured_over_analytic"] = (total_tokens / tokens_per_step * step_seconds / SECONDS_PER_DAY) / analytic
+    feasible = sorted((row for row in rows if row["status"] == "ok"), key=lambda row: row["step_time"]["median"])
+    return feasible + [row for row in rows if row["status"] != "ok"]

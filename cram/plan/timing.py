@@ -1,0 +1,103 @@
+"""Per-step wall times of the recipes' own loop, and the memory a probe used.
+
+`TimingClock` is the step-count clock the loop already takes; it also notes the time (after synchronising the
+device) each time the loop asks for progress at a new step count, which is once per optimizer step. So the
+planner times `cram.train.loop.train` itself: accumulation, clipping, the optimizer step, the loop's own
+agreement between processes, with nothing added but the synchronisation.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cram.train.budget import StepClock
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class TimingClock(StepClock):
+    def __init__(self, max_steps: int, device: torch.device):
+        super().__init__(max_steps)
+        self.device = device
+        self.marks: list[float] = []
+        self._marked_steps: int | None = None
+
+    def progress(self, steps: int) -> float:
+        if steps != self._marked_steps:
+            synchronize(self.device)
+            self.marks.append(time.perf_counter())
+            self._marked_steps = steps
+        return super().progress(steps)
+
+    def step_seconds(self) -> list[float]:
+        return [later - earlier for earlier, later in zip(self.marks, self.marks[1:], strict=False)]
+
+
+@dataclass
+class StepTimes:
+    """Timed optimizer steps after warm-up: the median and the spread a prediction carries."""
+
+    seconds: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def spread(self) -> float:
+        """Half the range between the fastest and slowest timed step, relative to the median."""
+        return (max(self.seconds) - min(self.seconds)) / 2 / self.median
+
+    def to_dict(self) -> dict:
+        return {"median": self.median, "spread": self.spread, "min": min(self.seconds), "max": max(self.seconds),
+                "steps": self.seconds}
+
+
+class MemoryGauge:
+    """Peak memory of one probe: allocated device memory on a GPU; on the CPU, the growth of this process's peak
+    resident set over what it held before the first model was built (the interpreter and libraries are not
+    "device memory")."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.baseline = 0 if device.type == "cuda" else _resident_bytes("VmRSS")
+
+    def reset(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        _release_free_heap()
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")  # resets the peak resident set (VmHWM) to the current one
+
+    def peak(self) -> float:
+        if self.device.type == "cuda":
+            return float(torch.cuda.max_memory_reserved(self.device))
+        return float(_resident_bytes("VmHWM") - self.baseline)
+
+
+def _resident_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _release_free_heap() -> None:
+    """Hand freed heap pages back to the system, so the next probe's peak starts from what is really in use."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc: the peak then also counts freed pages still held
+        pass

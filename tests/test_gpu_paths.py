@@ -1,0 +1,107 @@
+"""Choices that only differ on GPUs and multi-process launches, pinned on the CPU by faking the device facts
+(compute capability, device name, process count) that cannot exist here."""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cram.errors import UserError
+from cram.train.budget import StepClock
+from cram.train.loop import Meter
+from cram.train.runtime import (
+    MINIMUM_VERSIONS,
+    check_installed_versions,
+    check_optimizer_for_deepspeed,
+    resolve_compile,
+    resolve_precision,
+)
+from cram.train.state import TrainState
+from cram.train.throughput import peak_flops, peak_flops_for_name
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """Fake the facts of one kind of GPU: `gpu("NVIDIA A100-SXM4-80GB", (8, 0))`."""
+
+    def install(name: str, capability: tuple[int, int]) -> None:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        # What torch answers on a V100 or T4 too: it counts emulated bf16 as supported.
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 2**30)
+        monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+
+    return install
+
+
+@pytest.mark.parametrize(
+    "name, capability, precision",
+    [("Tesla V100-SXM2-16GB", (7, 0), "fp16"), ("Tesla T4", (7, 5), "fp16"),
+     ("NVIDIA A100-SXM4-80GB", (8, 0), "bf16"), ("NVIDIA H100 80GB HBM3", (9, 0), "bf16")],
+)
+def test_auto_precision_is_bf16_only_where_the_gpu_has_bf16_tensor_cores(gpu, name, capability, precision):
+    gpu(name, capability)
+    assert resolve_precision("auto", "cuda") == precision
+
+
+def test_auto_compile_follows_tritons_support(gpu):
+    gpu("Tesla T4", (7, 5))
+    assert resolve_compile("auto", "cuda") is True
+    gpu("Tesla P100-PCIE-16GB", (6, 0))
+    assert resolve_compile("auto", "cuda") is False
+
+
+@pytest.mark.parametrize(
+    "name, tflops",
+    [("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A100 80GB PCIe", 312), ("NVIDIA RTX A1000", None),
+     ("NVIDIA RTX A1000 Laptop GPU", None), ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756),
+     ("NVIDIA H100 NVL", 835), ("NVIDIA H200", 989), ("NVIDIA H200 NVL", 835), ("NVIDIA GH200 480GB", None),
+     ("NVIDIA L4", 121), ("NVIDIA L40S", 362), ("NVIDIA L40", None), ("NVIDIA GeForce RTX 4090", 165),
+     ("NVIDIA GeForce RTX 4090 D", 165), ("NVIDIA RTX A6000", 154.8), ("Tesla T4", None), ("NVIDIA A10G", None)],
+)
+def test_peak_matches_whole_model_names_and_knows_no_figure_for_unknown_devices(name, tflops):
+    assert peak_flops_for_name(name) == (tflops * 1e12 if tflops else None)
+
+
+def test_mfu_on_four_processes_divides_by_the_peak_of_four_devices(gpu):
+    gpu("NVIDIA A100-SXM4-80GB", (8, 0))
+    logged: list[dict] = []
+    four_processes = SimpleNamespace(
+        num_processes=4, device=torch.device("cuda", 0),
+        reduce=lambda tensor, reduction: tensor, log=lambda row, step: logged.append(row),
+    )
+    state = TrainState()
+    meter = Meter(four_processes, flops_per_token=1e9, state=state)
+    state.optimizer_steps, state.sequences, state.tokens = 1, 64, 64 * 128  # counted over all four processes
+    meter.log(state, torch.tensor(5.0), 1e-3, 64, None, StepClock(10), None)
+    row = logged[0]
+    assert row["mfu"] == pytest.approx(row["flops_per_second"] / (4 * 312e12))
+    assert peak_flops(torch.device("cuda", 0), 4) == 4 * peak_flops(torch.device("cuda", 0))
+
+
+def test_an_eight_bit_optimizer_is_refused_under_zero_optimizer_offload():
+    offload = json.loads((REPO / "ds_configs" / "zero3-offload.json").read_text())
+    with pytest.raises(UserError, match="^--optimizer adamw-8bit cannot run under a DeepSpeed config that offloads"):
+        check_optimizer_for_deepspeed(offload, eight_bit=True)
+    check_optimizer_for_deepspeed(offload, eight_bit=False)
+    check_optimizer_for_deepspeed(json.loads((REPO / "ds_configs" / "zero2.json").read_text()), eight_bit=True)
+    check_optimizer_for_deepspeed(None, eight_bit=True)  # no DeepSpeed
+
+
+def test_the_start_up_check_knows_pyprojects_floors_and_refuses_older_packages():
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    floors = dict(re.fullmatch(r"([\w-]+)>=([\d.]+)", requirement).groups() for requirement in declared)
+    assert {package: floors[package] for package in MINIMUM_VERSIONS} == MINIMUM_VERSIONS
+    check_installed_versions()  # this environment passes
+    accelerate_17 = {**{package: minimum for package, minimum in MINIMUM_VERSIONS.items()}, "accelerate": "1.7.0"}
+    with pytest.raises(UserError, match=r"^accelerate 1\.7\.0 is installed but cram needs accelerate>=1\.15: run "):
+        check_installed_versions(accelerate_17.__getitem__)

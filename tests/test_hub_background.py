@@ -1,0 +1,115 @@
+"""--push-checkpoints uploads in the background: training goes on while an upload is slow (a Hub stand-in whose
+commits wait on a gate the test opens), uploads go one at a time in order, and the final push waits for them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from hub_standin import HubStandIn
+
+from cram.hub import BackgroundPusher
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "cram.py"
+TOKEN = "hf_background_secret_0123456789"
+
+
+class SlowHub(HubStandIn):
+    """A Hub whose commits wait until `gate` is set, counting how many are in flight at once."""
+
+    def __init__(self, token: str | None = None) -> None:
+        super().__init__(token)
+        self.gate = threading.Event()
+        self.in_flight = self.most_in_flight = 0
+        self.counter_lock = threading.Lock()
+
+    def commit(self, body: bytes, repo: str, revision: str) -> tuple:
+        with self.counter_lock:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        self.gate.wait()
+        try:
+            return super().commit(body, repo, revision)
+        finally:
+            with self.counter_lock:
+                self.in_flight -= 1
+
+    def commits_started(self) -> int:
+        return sum(1 for request in self.requests if "/commit/" in request.path)
+
+
+def checkpoint_folder(path: Path, step: int) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"step": step}))
+    (path / "model.safetensors").write_bytes(bytes([step]) * 64)
+    return path
+
+
+def test_submitting_returns_while_an_upload_waits_and_finish_waits_for_all_in_order(tmp_path, monkeypatch):
+    with SlowHub(token=TOKEN) as hub:
+        monkeypatch.setenv("HF_TOKEN", TOKEN)
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
+        pusher = BackgroundPusher("lab/tiny")
+        folders = [checkpoint_folder(tmp_path / f"step-{step}", step) for step in (1, 2, 3)]
+        for step, folder in enumerate(folders, start=1):
+            pusher.submit(folder, revision=f"step-{step}")
+        # All three were handed over while the first upload is held at the gate: nothing has landed yet.
+        assert "lab/tiny" not in hub.repos or all(not hub.repos["lab/tiny"].commits.get(f"step-{step}")
+                                                  for step in (1, 2, 3))
+        hub.gate.set()
+        pusher.finish()
+        stored = hub.repos["lab/tiny"]
+        assert hub.most_in_flight == 1
+        assert hub.commits_started() == 3
+        for step in (1, 2, 3):
+            assert stored.branches[f"step-{step}"]["model.safetensors"] == bytes([step]) * 64
+        assert not any(folder.exists() for folder in folders)  # pushed copies are removed
+
+
+def test_a_failed_background_push_warns_and_keeps_its_folder(tmp_path, monkeypatch, capsys):
+    with HubStandIn(token=TOKEN) as hub:
+        monkeypatch.setenv("HF_TOKEN", TOKEN)
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
+        hub.commit_refusal = (500, "storage is full")
+        pusher = BackgroundPusher("lab/tiny")
+        folder = checkpoint_folder(tmp_path / "step-1", 1)
+        pusher.submit(folder, revision="step-1")
+        pusher.finish()
+    warning = capsys.readouterr().err
+    assert warning.startswith("warning: the Hugging Face Hub at") and "storage is full" in warning
+    assert folder.is_dir()
+
+
+@pytest.mark.slow
+def test_training_finishes_while_checkpoint_uploads_wait_and_the_final_push_follows_them(tmp_path, recipe_env):
+    env = {**recipe_env, "HF_TOKEN": TOKEN}
+    env.pop("HF_HUB_OFFLINE", None)
+    with SlowHub(token=TOKEN) as hub:
+        command = [sys.executable, RECIPE, "--preset", "tiny", "--max-steps", "3", "--micro-batch-size", "8",
+                   "--target-batch-size", "16", "--output-dir", tmp_path, "--push-to-hub", "lab/crammed-tiny",
+                   "--checkpoint-every", "1", "--push-checkpoints"]
+        recipe = subprocess.Popen(command, env={**env, "HF_ENDPOINT": hub.endpoint}, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        # The summary is written once the last step is done; the first checkpoint's upload is still held.
+        deadline = time.monotonic() + 280
+        while not (tmp_path / "summary.json").exists() and recipe.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / "summary.json").exists(), "training waited for a checkpoint upload"
+        assert hub.commits_started() == 1 and recipe.poll() is None
+        hub.gate.set()
+        stdout, stderr = recipe.communicate(timeout=280)
+        assert recipe.returncode == 0, stderr[-3000:]
+        stored = hub.repos["lab/crammed-tiny"]
+    assert hub.most_in_flight == 1
+    assert {"step-00000001", "step-00000002", "step-00000003"} <= stored.branches.keys()
+    # The final model went last: main's commit came after every checkpoint's.
+    commits = [request.path.rsplit("/", 1)[1] for request in hub.requests if "/commit/" in request.path]
+    assert commits[-1] == "main" and commits.count("main") == 1
+    assert "model.safetensors" in stored.branches["main"]
+    assert not (tmp_path / "hub-uploads").exists() or not any((tmp_path / "hub-uploads").iterdir())

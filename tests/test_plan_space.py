@@ -1,0 +1,197 @@
+"""The planner's pure parts: the candidate space and its rules, the micro-batch search against a known memory
+budget, the memory model's orderings, the cost formula, the emitted configs, and bad input."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cram.errors import UserError
+from cram.plan.cost import GPUS, amortised_cost, hardware_price, parse_target, project
+from cram.plan.emit import accelerate_config, deepspeed_config
+from cram.plan.memory import Shape, activation_bytes, predicted_bytes, seed_micro_batch, state_bytes
+from cram.plan.models import count_parameters, model_config
+from cram.plan.search import Probe, largest_dividing, largest_micro_batch
+from cram.plan.space import Candidate, candidate_space, select_candidates
+from cram.plan.sweep import Setting, launch_probe, sweep
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_space_has_22_candidates_on_several_devices_and_12_on_one():
+    several, one = candidate_space(4), candidate_space(1)
+    assert len(several) == 22 and len(one) == 12
+    assert len({candidate.name for candidate in several}) == 22
+    assert not any(candidate.offload and candidate.sharding == "none" for candidate in several)
+    # On one device sharding without offload is a no-op: only plain and offloaded variants remain.
+    assert {candidate.name for candidate in one if not candidate.checkpointing} == {
+        "ddp", "zero1-offload", "zero2-offload", "zero3-offload", "fsdp-grad-op-offload", "fsdp-full-offload"}
+    # 8-bit Adam is an extra axis: it doubles the space.
+    assert len(candidate_space(2, ("adamw", "adamw-8bit"))) == 44
+
+
+def test_candidates_are_selected_by_name_and_unknown_names_are_refused():
+    space = candidate_space(2)
+    assert [c.name for c in select_candidates(space, ["zero2-offload", "zero1"])] == ["zero1", "zero2-offload"]
+    with pytest.raises(UserError, match="zero1-offload-typo"):
+        select_candidates(space, ["zero1-offload-typo"])
+
+
+def linear_memory(fixed: int, per_sequence: int, limit: int, calls: list[int]):
+    def try_size(size: int) -> Probe:
+        calls.append(size)
+        used = fixed + per_sequence * size
+        return Probe(size, used <= limit, used, None if used <= limit else "over the limit")
+    return try_size
+
+
+@pytest.mark.parametrize("seed", [1, 2, 16, 64, 1000])
+@pytest.mark.parametrize("limit, expected", [(1000 + 37 * 100, 37), (1000 + 100, 1), (1000 + 64 * 100, 64),
+                                             (1000 + 99, 0)])
+def test_search_finds_the_exact_limit_of_a_memory_budget(seed, limit, expected):
+    calls: list[int] = []
+    result = largest_micro_batch(linear_memory(1000, 100, limit, calls), seed=seed, ceiling=512)
+    assert result.largest == expected
+    if expected:
+        assert expected in calls and expected + 1 in calls  # the answer fits and the next size up was refused
+    assert len(calls) == len(set(calls)) and len(calls) <= 2 * 10 + 2  # doubling then bisection: logarithmic
+    if expected == 0:
+        assert result.failure == "over the limit"
+
+
+def test_search_stops_at_the_ceiling_and_a_seed_near_the_limit_saves_probes():
+    calls: list[int] = []
+    assert largest_micro_batch(linear_memory(0, 1, 10**9, calls), seed=4, ceiling=24).largest == 24
+    from_one, near = [], []
+    largest_micro_batch(linear_memory(1000, 100, 1000 + 300 * 100, from_one), seed=1, ceiling=4096)
+    largest_micro_batch(linear_memory(1000, 100, 1000 + 300 * 100, near), seed=256, ceiling=4096)
+    assert len(near) < len(from_one)
+    assert largest_dividing(37, 64) == 32 and largest_dividing(0, 64) == 0
+
+
+def test_memory_model_orders_the_candidates_as_sharding_offload_and_checkpointing_promise():
+    config = model_config("pythia-1b", 2048)
+    shape = Shape.of(config, count_parameters(config), 2048, 4, on_cpu=False, activation_bytes=2)
+    state = {c.name: state_bytes(c, shape) for c in candidate_space(4)}
+    assert state["ddp"] > state["zero1"] > state["zero2"] > state["zero3"] > state["zero3-offload"]
+    assert state["zero2-offload"] < state["zero2"] and state["fsdp-full"] < state["fsdp-grad-op"]
+    assert activation_bytes(Candidate(checkpointing=True), shape, 8) < activation_bytes(Candidate(), shape, 8) / 2
+    # 16 bytes of model state per parameter without sharding (2 + 2 + 12 under DeepSpeed, 4 + 4 + 8 under DDP).
+    assert state["ddp"] == pytest.approx(16 * 1_011_781_632)
+    on_cpu = Shape.of(config, count_parameters(config), 2048, 4, on_cpu=True, activation_bytes=2)
+    assert state_bytes(Candidate("zero2", offload=True), on_cpu) == state_bytes(Candidate("zero2"), on_cpu)
+    # The seed is a power of two at or below the predicted limit.
+    limit = predicted_bytes(Candidate("zero1"), shape, 12)
+    assert seed_micro_batch(Candidate("zero1"), shape, limit) == 8
+
+
+def test_cost_follows_the_published_amortisation_and_projection_scales_with_peak_and_count():
+    count, a100 = parse_target("4xa100")
+    price = hardware_price(count, a100)
+    assert price == 4 * 19_000 + 7_500
+    assert amortised_cost(price, 17.57) == pytest.approx(price * 17.57 / (5 * 365))
+    assert hardware_price(1, next(gpu for gpu in GPUS if gpu.key == "4090")) is None  # no price in the table
+    _, h100 = parse_target("8xh100")
+    projection = project(0.4, 2_097_152, 6e9, 143_000, 8, h100, "4 × A100")
+    assert projection.step_seconds == pytest.approx(2_097_152 * 6e9 / (0.4 * 8 * 989e12))
+    assert projection.days == pytest.approx(143_000 * projection.step_seconds / 86_400)
+    assert any("measured on 4 × A100" in line for line in projection.assumptions)
+    for bad in ("8xh1000", "h100", "0xh100"):
+        with pytest.raises(UserError, match="e.g. 8xh100"):
+            parse_target(bad)
+
+
+def test_emitted_configs_say_what_the_candidate_is():
+    offload3 = deepspeed_config(Candidate("zero3", offload=True))
+    assert offload3["zero_optimization"]["stage"] == 3
+    assert offload3["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert offload3["train_micro_batch_size_per_gpu"] == "auto"
+    assert "offload_optimizer" not in deepspeed_config(Candidate("zero1"))["zero_optimization"]
+    text = accelerate_config(Candidate("zero2"), 2, True, Path("ds_configs/plan-zero2.json"), "CrammedBertLayer")
+    parsed = yaml.safe_load(text)
+    assert parsed["distributed_type"] == "DEEPSPEED" and parsed["num_processes"] == 2 and parsed["use_cpu"] is True
+    assert parsed["deepspeed_config"]["deepspeed_config_file"] == "ds_configs/plan-zero2.json"
+    fsdp = yaml.safe_load(accelerate_config(Candidate("fsdp-grad-op"), 4, False, None, "GPTNeoXLayer"))
+    assert fsdp["fsdp_config"]["fsdp_reshard_after_forward"] is False
+    assert yaml.safe_load(accelerate_config(Candidate(), 1, False, None, "x"))["distributed_type"] == "NO"
+
+
+def test_pythia_table_gives_the_released_parameter_counts():
+    assert count_parameters(model_config("pythia-1b", 2048)) == 1_011_781_632
+
+
+@pytest.fixture(scope="module")
+def plan_recipe():
+    """recipes/plan.py as a module, so bad input is checked in-process (one subprocess test checks the exit)."""
+    spec = importlib.util.spec_from_file_location("plan_recipe", REPO / "recipes" / "plan.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("arguments, env, message", [
+    (["--model", "crammed-bert-tiny", "--global-batch-size", "33"], {"WORLD_SIZE": "2"},
+     "not divisible by the 2 processes"),
+    (["--model", "crammed-bert-tiny", "--target", "8xh1000"], {}, "unknown --target"),
+    (["--model", "crammed-bert-tiny", "--target", "8xh100"], {}, "CPU has no peak throughput in the GPU table"),
+    (["--model", "pythia-1b", "--memory-limit", "1GiB"], {}, "not even micro-batch 1 of the leanest candidate"),
+    (["--model", "crammed-bert-tiny", "--memory-limit", "lots"], {}, "cannot read the memory size"),
+    (["--model", "crammed-bert-tiny", "--candidates", "zero1"], {}, "unknown or invalid candidate"),
+])
+def test_bad_input_is_refused_before_anything_runs(plan_recipe, monkeypatch, tmp_path, arguments, env, message):
+    monkeypatch.setattr(sys, "argv", ["plan.py", *arguments, "--output-dir", str(tmp_path / "out")])
+    for name, value in env.items():  # a process count is a launch fact: set as the launcher would
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UserError, match=message):
+        plan_recipe.main()
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unknown_model_gets_one_sentence_and_exit_status_2(tmp_path):
+    completed = subprocess.run(
+        [sys.executable, REPO / "recipes" / "plan.py", "--model", "pythia-7b", "--output-dir", tmp_path / "out"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert completed.returncode == 2
+    lines = completed.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: unknown model 'pythia-7b'"), completed.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_candidates_that_cannot_run_are_rows_with_reasons_not_crashes(tmp_path):
+    config = model_config("crammed-bert-tiny", 128)
+    shape = Shape.of(config, count_parameters(config), 128, 2, on_cpu=True, activation_bytes=4)
+    setting = Setting("crammed-bert-tiny", 128, 16, 2, True, "CPU", 2**20, 1, 2)
+    rows = sweep([Candidate("zero1"), Candidate("fsdp-full"), Candidate("zero2", True, False, "adamw-8bit")],
+                 setting, shape, 2**20, tmp_path, "CrammedBertLayer", timeout=60, say=lambda _: None)
+    assert [row["status"] for row in rows] == ["infeasible"] * 3
+    assert rows[0]["source"] == "memory model" and "GiB at micro-batch 1 > 0.00 GiB limit" in rows[0]["reason"]
+    assert rows[1]["source"] == "rules" and "FSDP needs GPUs" in rows[1]["reason"]
+    assert rows[2]["source"] == "rules" and "8-bit" in rows[2]["reason"]
+
+
+def test_a_launch_that_fails_is_an_infeasible_row_with_its_last_error(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("distributed_type: NOT_A_TYPE\nnum_processes: 1\n")
+    request = {"result": str(tmp_path / "result.json")}
+    row = launch_probe(broken, request, tmp_path / "request.json", timeout=300)
+    assert row["status"] == "infeasible" and row["reason"].startswith("the launch exited with status")
+    assert "NOT_A_TYPE" in row["reason"] or "Error" in row["reason"], row
+
+
+def test_a_projection_is_labelled_and_prints_its_assumptions(plan_recipe, capsys):
+    # A winner as measured on 4 A100s (device facts this machine cannot produce): 2.1 M tokens per 10 s step.
+    winner = {"mfu": 0.35, "tokens_per_second": 2_097_152 / 10.0, "step_time": {"median": 10.0},
+              "flops_per_token": 6.5e9}
+    projection = plan_recipe.report_projection("8xh100", winner, 143_000, "NVIDIA A100-SXM4-80GB")
+    printed = capsys.readouterr().out
+    assert projection["label"] == "projection" and "PROJECTION (not measured) to 8 × h100" in printed
+    assert projection["step_seconds"] == pytest.approx(2_097_152 * 6.5e9 / (0.35 * 8 * 989e12))
+    assert len(projection["assumptions"]) == 3 and all(line in printed for line in projection["assumptions"])
+    assert projection["cost_usd"] == pytest.approx((8 * 30_000 + 10_500) * projection["days"] / (5 * 365))
