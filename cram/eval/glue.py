@@ -44,6 +44,7 @@ from cram.eval.glue_report import (
 )
 from cram.train.runtime import (
     PRECISIONS,
+    check_installed_versions,
     enable_tf32,
     launch_device_type,
     resolve_compile,
@@ -115,6 +116,7 @@ def seeds_for(task: GlueTask, options: GlueOptions) -> list[int]:
 
 def prepare_evaluation(options: GlueOptions, run: GlueRunOptions) -> Evaluation:
     """Check the options, the checkpoint, the tokenizer and every task's data; load the data. No training yet."""
+    check_installed_versions()
     tasks = parse_tasks(options.tasks)
     if options.seeds < 1 or options.large_task_seeds < 1:
         raise UserError("--seeds and --large-task-seeds must be at least 1: each task needs one fine-tuning.")
