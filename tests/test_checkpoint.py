@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
-from cram.errors import UserError
+from cram.errors import UserError, run_cli
 from cram.train.checkpoint import STATE_FILE, Checkpointer, check_same_run, complete_checkpoints, find_checkpoint
+from cram.train.preemption import Preemption
 from cram.train.state import TrainState
 
 
@@ -55,3 +58,27 @@ def test_checkpoints_fall_due_by_step_or_by_time_never_twice_for_one_step():
     assert not Checkpointer(accelerator=None, directory="unused", run={}).time_due()  # no interval set
     resumed = Checkpointer(accelerator=None, directory="unused", run={}, every_steps=4, resumed_at=4)
     assert not resumed.due(TrainState(optimizer_steps=4), time_due=True)  # the state it was loaded from
+
+
+@pytest.fixture
+def restored_signal_handlers():
+    handlers = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for number, handler in handlers.items():
+        signal.signal(number, handler)
+
+
+def test_a_first_ctrl_c_asks_for_a_stop_and_a_second_one_interrupts_at_once(restored_signal_handlers, capsys):
+    preemption = Preemption().install()
+    signal.raise_signal(signal.SIGINT)
+    assert preemption.requested and preemption.exit_status == 130  # the loop stops at the next step boundary
+    with pytest.raises(SystemExit) as exited:
+        run_cli(lambda: signal.raise_signal(signal.SIGINT))  # the second: no waiting for the step to end
+    assert exited.value.code == 130 and capsys.readouterr().err == "interrupted\n"
+
+
+def test_sigterm_asks_for_a_stop_however_often_it_comes(restored_signal_handlers):
+    preemption = Preemption().install()
+    signal.raise_signal(signal.SIGTERM)
+    signal.raise_signal(signal.SIGTERM)  # a scheduler may repeat it: the state must still be saved
+    assert preemption.requested and preemption.exit_status == 143

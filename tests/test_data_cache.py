@@ -125,7 +125,7 @@ def test_killed_run_leaves_nothing_usable_and_the_next_run_recovers(tmp_path, em
     process = subprocess.Popen([sys.executable, "-c", script])
     # Kill it once it is writing the documents into its temporary folder, the first of several stages: however
     # fast or slow the machine, the kill then lands mid-preparation.
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + 1800  # a guard against a hang, not a speed limit
     while not list(tmp_path.glob(".out.tmp-*/work/documents.arrow")) and process.poll() is None:
         assert time.monotonic() < deadline, "preparation never started writing"
         time.sleep(0.01)

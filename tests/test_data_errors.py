@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from cram.data import DataOptions, prepare
 from cram.errors import UserError
+
+# Guards against a hung run, not speed limits: a loaded machine may take many times a quiet one's minute.
+HANG_GUARD = 1800
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "prepare_data.py"
 
@@ -18,7 +25,7 @@ RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "prepare_data.py"
 def run_recipe(*arguments: str, offline: bool = False) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"} if offline else None
     return subprocess.run([sys.executable, str(RECIPE), *arguments, "--progress", "false"],
-                          capture_output=True, text=True, env=env, timeout=120)
+                          capture_output=True, text=True, env=env, timeout=HANG_GUARD)
 
 
 def write_bad_utf8(folder: Path) -> Path:
@@ -110,6 +117,74 @@ def test_an_output_folder_holding_other_files_is_refused_and_left_alone(tmp_path
 
 
 def test_help_prints_and_exits_zero():
-    result = subprocess.run([sys.executable, str(RECIPE), "--help"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, str(RECIPE), "--help"], capture_output=True, text=True, timeout=HANG_GUARD)
     assert result.returncode == 0, result.stderr
     assert "keeps a random 30% of its documents" in " ".join(result.stdout.split())
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+def in_process_cases(tmp_path: Path, texts: list[str]) -> dict[str, tuple[dict, str]]:
+    """Bad input for `prepare` itself: (options, the start of the one sentence it must raise)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(texts[:40]))
+    (tmp_path / "unsupported").mkdir()
+    (tmp_path / "unsupported" / "notes.docx").write_text("x" * 100)
+    bad_line = tmp_path / "bad_line.jsonl"
+    bad_line.write_text(json.dumps({"text": texts[0]}) + "\n{not json\n")
+    pretokenized = write_jsonl(tmp_path / "ids.jsonl", [{"input_ids": [5, 6, 7, 3]}] * 3)
+    parquet = tmp_path / "other.parquet"
+    pq.write_table(pa.table({"body": texts[:3]}), parquet)
+    (tmp_path / "array.json").write_text(json.dumps({"data": "not a list"}, indent=1))
+    (tmp_path / "broken.json").write_text('[{"text": "unterminated')
+    (tmp_path / "other.csv").write_text("body\n" + texts[0].replace("\n", " ").replace(",", " ") + "\n")
+    return {
+        "no sources": ({"sources": []}, "no data sources given"),
+        "seq_len below 2": ({"seq_len": 1}, "seq_len 1 is too short"),
+        "negative trash cutoff": ({"trash_cutoff": -0.1}, "trash_cutoff -0.1 is negative"),
+        "no tokenizer sample": ({"tokenizer_sample_chars": 0}, "tokenizer_sample_chars must be positive"),
+        "zero weight": ({"sources": [f"{corpus}:0"]}, "must be positive"),
+        "negative weight": ({"sources": [f"{corpus}:-2"]}, "must be positive"),
+        "folder of unsupported files": ({"sources": [str(tmp_path / "unsupported")]}, "holds no"),
+        "JSON line that is not JSON": ({"sources": [str(bad_line)]}, f"{bad_line} line 2 is not valid JSON"),
+        "JSON line that is not an object": (
+            {"sources": [str(write_jsonl(tmp_path / "list.jsonl", [[1, 2]]))]}, "line 1 is not a JSON object"),
+        "JSON lines without the text field": (
+            {"sources": [str(write_jsonl(tmp_path / "body.jsonl", [{"body": texts[0]}]))]},
+            "has a record without a 'text' field"),
+        "CSV without the text column": ({"sources": [str(tmp_path / "other.csv")]}, "without a 'text' field"),
+        "parquet without the text column": ({"sources": [str(parquet)]}, "has no 'text' column"),
+        "JSON document that is not a list": ({"sources": [str(tmp_path / "array.json")]}, "neither a list"),
+        "JSON document that does not parse": ({"sources": [str(tmp_path / "broken.json")]}, "is not valid JSON"),
+        "raw text mixed with input_ids": ({"sources": [str(corpus), str(pretokenized)]}, "sources mix raw text"),
+        "input_ids without their tokenizer": ({"sources": [str(pretokenized)]}, "could not load the tokenizer"),
+        "every document too short": ({"sources": [str(corpus)], "min_chars": 10**6}, "no documents of at least"),
+        "every document incompressible": (
+            {"sources": [str(corpus)], "trash_cutoff": 0.001}, "were dropped as incompressible"),
+        "less than one block": ({"sources": [str(corpus)], "seq_len": 10**6}, "less than one 1000000-token block"),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["no sources", "seq_len below 2", "negative trash cutoff", "no tokenizer sample", "zero weight",
+     "negative weight", "folder of unsupported files", "JSON line that is not JSON", "JSON line that is not an object",
+     "JSON lines without the text field", "CSV without the text column", "parquet without the text column",
+     "JSON document that is not a list", "JSON document that does not parse", "raw text mixed with input_ids",
+     "input_ids without their tokenizer", "every document too short", "every document incompressible",
+     "less than one block"],
+)
+def test_bad_input_to_prepare_is_one_sentence_and_leaves_nothing(tmp_path, english_texts, case):
+    (tmp_path / "inputs").mkdir()
+    overrides, expected = in_process_cases(tmp_path / "inputs", english_texts)[case]
+    options = DataOptions(**{"vocab_size": 300, "seq_len": 32, "min_chars": 20, "trash_cutoff": 0, **overrides})
+    with pytest.raises(UserError) as raised:
+        prepare(options, cache_dir=tmp_path / "cache", output_dir=tmp_path / "out", num_proc=1, progress=False)
+    message = str(raised.value)
+    assert message.startswith(expected) or expected in message, message
+    assert "\n" not in message and not re.search(r"\. [A-Z]", message), message  # one sentence
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out*"))

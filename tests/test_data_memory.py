@@ -14,11 +14,13 @@ options = DataOptions(sources=[sys.argv[1]], vocab_size=2000, trash_cutoff=0, to
 prepared = prepare(options, output_dir=sys.argv[2], num_proc=1, progress=False)
 print(prepared.stats["tokens"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
+# A guard against a hung run, not a speed limit: a loaded machine may take many times a quiet one's minute.
+HANG_GUARD = 1800
 
 
 def peak_rss_kb(corpus: Path, output: Path) -> tuple[int, int]:
     result = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(corpus), str(output)],
-                            capture_output=True, text=True, check=True, timeout=300)
+                            capture_output=True, text=True, check=True, timeout=HANG_GUARD)
     tokens, peak = result.stdout.split()[-2:]
     return int(tokens), int(peak)
 

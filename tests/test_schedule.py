@@ -1,10 +1,20 @@
-"""The wall-clock budget, the learning-rate triangle and the batch ramp."""
+"""The wall-clock budget, the learning-rate triangle, the batch ramp and the accumulation it drives."""
 
+import datasets
 import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
 
+from cram.data.collator import MaskedLMCollator
 from cram.errors import UserError
+from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
 from cram.train.budget import BudgetClock, StepClock, budget_triangle, parse_budget
+from cram.train.loop import train
+from cram.train.optim import build_adamw
 from cram.train.ramp import full_accumulation, ramp_accumulation
+from cram.train.sampling import stream_loader
+from cram.train.state import TrainState
 
 
 @pytest.mark.parametrize(
@@ -68,3 +78,44 @@ def test_step_clock_progress_counts_optimizer_steps():
     clock.start(elapsed_before=12.0, steps_before=10)
     assert clock.progress(10) == 0.25 and clock.progress(40) == 1.0 and clock.progress(50) == 1.0
     assert clock.elapsed >= 12.0
+
+
+def logged_first_step(micro_batch_size: int, accumulation: int) -> dict:
+    """The log row of one optimizer step of the real loop over 16 sequences, cut into micro-batches."""
+    set_seed(0)
+    config = CrammedBertConfig.from_preset("tiny", vocab_size=1000, max_position_embeddings=32,
+                                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    accelerator = Accelerator(cpu=True)
+    model = CrammedBertForMaskedLM(config)
+    optimizer = build_adamw(model, 1e-3, (0.9, 0.98), 1e-12, 0.01)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    blocks = datasets.Dataset.from_dict({"input_ids": reference_blocks().tolist()})
+    batches = iter(stream_loader(blocks, MaskedLMCollator(4, 1000, range(5)), start=0,
+                                 micro_batch_size=micro_batch_size, process_index=0, num_processes=1))
+    state = TrainState()
+    train(model, optimizer, batches, accelerator, StepClock(1), state, peak_lr=1e-3, lr_shape=budget_triangle,
+          accumulation_at=lambda progress: accumulation, max_grad_norm=1e9, show_progress=False)
+    return state.history[0]
+
+
+def reference_blocks() -> torch.Tensor:
+    return torch.randint(5, 1000, (16, 32), generator=torch.Generator().manual_seed(3))
+
+
+def test_an_accumulated_step_logs_the_gradient_of_the_mean_loss_over_all_its_sequences():
+    # Computed apart from the loop: the same initial model, the 16 sequences masked by serial, one backward.
+    set_seed(0)
+    config = CrammedBertConfig.from_preset("tiny", vocab_size=1000, max_position_embeddings=32,
+                                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = CrammedBertForMaskedLM(config)
+    loss = model(**MaskedLMCollator(4, 1000, range(5))({"input_ids": reference_blocks(),
+                                                        "serials": torch.arange(16)})).loss
+    loss.backward()
+    expected_norm = torch.linalg.vector_norm(torch.stack([param.grad.norm() for param in model.parameters()]))
+    # Every sequence masks the same number of positions, so the mean over micro-batches is the mean over all:
+    # a missing division by the accumulation, or a sum in its place, shows as a norm 2 or 4 times too large.
+    for micro_batch_size, accumulation in [(16, 1), (8, 2), (4, 4)]:
+        row = logged_first_step(micro_batch_size, accumulation)
+        assert row["batch_size"] == 16
+        assert row["loss"] == pytest.approx(loss.item(), rel=1e-5), accumulation
+        assert row["grad_norm"] == pytest.approx(expected_norm.item(), rel=1e-4), accumulation

@@ -2,7 +2,9 @@
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
+from cram.data.collator import MaskedLMCollator
 from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
 from cram.train.throughput import crammed_bert_flops_per_token, mfu, peak_flops, peak_flops_for_name
 
@@ -34,3 +36,18 @@ def test_mfu_on_a_known_peak_and_none_on_the_cpu():
     assert mfu(1000.0, 6e9, 312e12) == pytest.approx(6e12 / 312e12)
     assert peak_flops(torch.device("cpu")) is None
     assert mfu(1000.0, 6e9, None) is None
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_flops_per_token_equal_torchs_count_of_a_real_training_step(preset):
+    # FlopCounterMode counts the matmuls and attention products that a forward and backward pass actually run,
+    # sparse prediction included: an independent check of the formula the run logs FLOP/s and MFU with.
+    config = CrammedBertConfig.from_preset(preset, vocab_size=2048)
+    model = CrammedBertForMaskedLM(config)
+    input_ids = torch.randint(5, 2048, (2, 128), generator=torch.Generator().manual_seed(0))
+    batch = MaskedLMCollator(4, 2048, range(5))({"input_ids": input_ids, "serials": torch.arange(2)})
+    with FlopCounterMode(display=False) as counter:
+        model(**batch).loss.backward()
+    formula = crammed_bert_flops_per_token(config.num_hidden_layers, config.hidden_size, config.intermediate_size,
+                                           config.vocab_size, 128, config.sparse_prediction)
+    assert formula == pytest.approx(counter.get_total_flops() / input_ids.numel(), rel=1e-9)

@@ -13,6 +13,9 @@ from wandb_history import config, history
 
 from cram.train.trackers import flatten_config
 
+# Guards against a hung run, not speed limits: a loaded machine may take many times a quiet one's minute.
+HANG_GUARD = 1800
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "cram.py"
 RUN = ["--preset", "tiny", "--max-steps", "6", "--micro-batch-size", "16", "--target-batch-size", "32",
@@ -21,7 +24,7 @@ RUN = ["--preset", "tiny", "--max-steps", "6", "--micro-batch-size", "16", "--ta
 
 def run_recipe(output_dir: Path, env: dict, *extra: str) -> dict:
     command = [sys.executable, RECIPE, *RUN, "--output-dir", output_dir, *extra]
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=HANG_GUARD)
     assert completed.returncode == 0, completed.stderr[-3000:]
     return json.loads((output_dir / "summary.json").read_text())
 

@@ -38,3 +38,17 @@ def build_adamw(
     if fused is None:
         fused = next(model.parameters()).device.type in ("cuda", "cpu")
     return torch.optim.AdamW(decay_param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=fused)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state this process holds (moments, 8-bit blocks and their scales, step counters).
+
+    It looks through Accelerate's and DeepSpeed's wrappers to the optimizer that owns the state: under ZeRO-1/2/3
+    that one steps this process's partition only, so the figure shows whether the state is really sharded.
+    """
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return sum(
+        value.numel() * value.element_size()
+        for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)
+    )
