@@ -26,7 +26,8 @@ from accelerate.utils import set_seed
 from transformers import GPTNeoXForCausalLM, HfArgumentParser
 
 from cram.cli import option, parse_strictly
-from cram.data.causal import CausalData, causal_lm_batch, load_causal_data
+from cram.data import is_prepared
+from cram.data.causal import CausalData, causal_data_to_prepare, causal_lm_batch, load_causal_data
 from cram.errors import UserError, run_cli
 from cram.hub import ModelCardFacts
 from cram.models.pythia import (
@@ -43,7 +44,7 @@ from cram.train.memory import check_model_fits
 from cram.train.optim import build_adamw
 from cram.train.ramp import full_accumulation
 from cram.train.run import RecipeRun, RunOptions, check_run_options
-from cram.train.runtime import configure_deepspeed, enable_tf32
+from cram.train.runtime import configure_deepspeed, enable_tf32, local_main_first
 from cram.train.sampling import stream_loader
 from cram.train.state import TrainState
 from cram.train.throughput import gpt_neox_flops_per_token
@@ -115,9 +116,10 @@ def main() -> None:
     enable_tf32()
 
     # Build: data, model, optimizer.
-    with accelerator.local_main_process_first():
-        data = load_causal_data(training.data, seq_len, config.vocab_size, training.tokenizer,
-                                implementation.cache_dir)
+    data_arguments = (training.data, seq_len, config.vocab_size, training.tokenizer, implementation.cache_dir)
+    to_prepare = causal_data_to_prepare(*data_arguments)  # other processes poll it: no timeout while one prepares
+    data = local_main_first(accelerator, lambda: load_causal_data(*data_arguments),
+                            ready=lambda: to_prepare is None or is_prepared(to_prepare))
     if run.is_main_process:
         print(f"data: {data.description}")
     check_vocabulary(data, config.vocab_size)

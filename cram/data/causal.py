@@ -12,6 +12,7 @@ GPT-NeoX trained Pythia on 2049-token sequences. Sources, by what the path is:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
@@ -19,7 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from cram.data.megatron import MegatronSequences, MegatronTokens, is_megatron
 from cram.data.options import DataOptions
-from cram.data.prepare import is_prepared, load_prepared, prepare
+from cram.data.prepare import is_prepared, load_prepared, prepare, prepared_path
 from cram.errors import UserError
 from cram.train.sampling import SerialBlocks
 
@@ -50,6 +51,22 @@ def load_tokenizer(location: str) -> PreTrainedTokenizerBase:
         ) from None
 
 
+def _options(source: str, seq_len: int, vocab_size: int, tokenizer: str | None) -> DataOptions:
+    return DataOptions(
+        sources=[source], vocab_size=vocab_size, seq_len=seq_len + 1, tokenizer_model="bpe", lowercase=False,
+        trash_cutoff=0.0, ordering="none", tokenizer=tokenizer or "",
+    )
+
+
+def causal_data_to_prepare(
+    source: str, seq_len: int, vocab_size: int, tokenizer: str | None = None, cache_dir: str | None = None
+) -> Path | None:
+    """The folder `load_causal_data` with these arguments prepares, or None when it reads `source` as it is."""
+    if is_megatron(source) or is_prepared(source):
+        return None
+    return prepared_path(_options(source, seq_len, vocab_size, tokenizer), cache_dir)
+
+
 def load_causal_data(
     source: str, seq_len: int, vocab_size: int, tokenizer: str | None = None, cache_dir: str | None = None
 ) -> CausalData:
@@ -69,11 +86,7 @@ def load_causal_data(
     if is_prepared(source):
         prepared = load_prepared(source)
     else:
-        options = DataOptions(
-            sources=[source], vocab_size=vocab_size, seq_len=length, tokenizer_model="bpe", lowercase=False,
-            trash_cutoff=0.0, ordering="none", tokenizer=tokenizer or "",
-        )
-        prepared = prepare(options, cache_dir=cache_dir)
+        prepared = prepare(_options(source, seq_len, vocab_size, tokenizer), cache_dir=cache_dir)
     block = len(prepared.dataset[0]["input_ids"])
     if block != length:
         raise UserError(
