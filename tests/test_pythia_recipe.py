@@ -139,8 +139,9 @@ def test_zero3_stopped_by_sigterm_resumes_to_the_uninterrupted_losses(
     tmp_path, recipe_env, megatron_data, single_process, zero3_stopped
 ):
     output_dir, stopped = zero3_stopped
-    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
-    assert "--resume auto" in stopped.stderr and not (output_dir / "final").exists()
+    assert stopped.returncode != 0  # the launcher reports the signal it was sent
+    assert "stopped by signal 15" in stopped.stderr and "--resume auto" in stopped.stderr, stopped.stderr[-3000:]
+    assert not (output_dir / "final").exists()
     completed = subprocess.run(launch_command("cpu-zero3", megatron_data, output_dir, "--resume", "auto"),
                                cwd=REPO, env=recipe_env, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
