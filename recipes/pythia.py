@@ -34,6 +34,7 @@ from cram.models.pythia import (
     PYTHIA_SIZES,
     check_size,
     cosine_with_warmup,
+    gpt_neox_parameters,
     pythia_checkpoint_steps,
     pythia_config,
     pythia_recipe,
@@ -110,7 +111,7 @@ def main() -> None:
     accelerator = run.accelerator
     accumulation = full_accumulation(global_batch, training.micro_batch_size, accelerator.num_processes)
     configure_deepspeed(accelerator, training.micro_batch_size, global_batch, recipe.max_grad_norm)
-    check_model_fits(config, accelerator, implementation.device_memory_gib, training.size)
+    check_model_fits(gpt_neox_parameters(config), accelerator, implementation.device_memory_gib, training.size)
     set_seed(training.seed)
     enable_tf32()
 
