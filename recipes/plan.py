@@ -116,6 +116,9 @@ def main() -> None:
         raise UserError(f"the global batch {options.global_batch_size} is not divisible by the {num_processes} "
                         f"processes: give a --global-batch-size that is a multiple of {num_processes}.")
     device = "CPU" if use_cpu else torch.cuda.get_device_name(0)
+    if options.target is not None and (use_cpu or gpu_for_device_name(device) is None):
+        raise UserError(f"a projection to {options.target} scales the efficiency (MFU) measured here, and {device} "
+                        "has no peak throughput in the GPU table: run the planner with --target on such a GPU.")
     if options.memory_limit is not None:
         limit = parse_size(options.memory_limit)
     elif use_cpu:
@@ -189,9 +192,6 @@ def check_something_fits(space, shape: Shape, limit: int, num_processes: int) ->
 
 def report_projection(target: str, winner: dict, steps: int | None, device: str) -> dict:
     count, gpu = parse_target(target)
-    if winner.get("mfu") is None:
-        raise UserError(f"a projection to {target} needs the efficiency (MFU) measured on a GPU from the table, "
-                        f"and {device} has no peak throughput in it: run the planner on such a GPU.")
     tokens_per_step = winner["tokens_per_second"] * winner["step_time"]["median"]
     projection = project(winner["mfu"], tokens_per_step, winner["flops_per_token"], steps, count, gpu, device)
     print(f"\nPROJECTION (not measured) to {count} × {gpu.key}: {projection.step_seconds:.3f} s per step"

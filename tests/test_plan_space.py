@@ -18,6 +18,7 @@ from cram.plan.memory import Shape, activation_bytes, predicted_bytes, seed_micr
 from cram.plan.models import count_parameters, model_config
 from cram.plan.search import Probe, largest_dividing, largest_micro_batch
 from cram.plan.space import Candidate, candidate_space, select_candidates
+from cram.plan.sweep import Setting, launch_probe, sweep
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -138,6 +139,7 @@ def plan_recipe():
     (["--model", "crammed-bert-tiny", "--global-batch-size", "33"], {"WORLD_SIZE": "2"},
      "not divisible by the 2 processes"),
     (["--model", "crammed-bert-tiny", "--target", "8xh1000"], {}, "unknown --target"),
+    (["--model", "crammed-bert-tiny", "--target", "8xh100"], {}, "CPU has no peak throughput in the GPU table"),
     (["--model", "pythia-1b", "--memory-limit", "1GiB"], {}, "not even micro-batch 1 of the leanest candidate"),
     (["--model", "crammed-bert-tiny", "--memory-limit", "lots"], {}, "cannot read the memory size"),
     (["--model", "crammed-bert-tiny", "--candidates", "zero1"], {}, "unknown or invalid candidate"),
@@ -160,3 +162,36 @@ def test_an_unknown_model_gets_one_sentence_and_exit_status_2(tmp_path):
     lines = completed.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: unknown model 'pythia-7b'"), completed.stderr[-2000:]
     assert not (tmp_path / "out").exists()
+
+
+def test_candidates_that_cannot_run_are_rows_with_reasons_not_crashes(tmp_path):
+    config = model_config("crammed-bert-tiny", 128)
+    shape = Shape.of(config, count_parameters(config), 128, 2, on_cpu=True, activation_bytes=4)
+    setting = Setting("crammed-bert-tiny", 128, 16, 2, True, "CPU", 2**20, 1, 2)
+    rows = sweep([Candidate("zero1"), Candidate("fsdp-full"), Candidate("zero2", True, False, "adamw-8bit")],
+                 setting, shape, 2**20, tmp_path, "CrammedBertLayer", timeout=60, say=lambda _: None)
+    assert [row["status"] for row in rows] == ["infeasible"] * 3
+    assert rows[0]["source"] == "memory model" and "GiB at micro-batch 1 > 0.00 GiB limit" in rows[0]["reason"]
+    assert rows[1]["source"] == "rules" and "FSDP needs GPUs" in rows[1]["reason"]
+    assert rows[2]["source"] == "rules" and "8-bit" in rows[2]["reason"]
+
+
+def test_a_launch_that_fails_is_an_infeasible_row_with_its_last_error(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("distributed_type: NOT_A_TYPE\nnum_processes: 1\n")
+    request = {"result": str(tmp_path / "result.json")}
+    row = launch_probe(broken, request, tmp_path / "request.json", timeout=300)
+    assert row["status"] == "infeasible" and row["reason"].startswith("the launch exited with status")
+    assert "NOT_A_TYPE" in row["reason"] or "Error" in row["reason"], row
+
+
+def test_a_projection_is_labelled_and_prints_its_assumptions(plan_recipe, capsys):
+    # A winner as measured on 4 A100s (device facts this machine cannot produce): 2.1 M tokens per 10 s step.
+    winner = {"mfu": 0.35, "tokens_per_second": 2_097_152 / 10.0, "step_time": {"median": 10.0},
+              "flops_per_token": 6.5e9}
+    projection = plan_recipe.report_projection("8xh100", winner, 143_000, "NVIDIA A100-SXM4-80GB")
+    printed = capsys.readouterr().out
+    assert projection["label"] == "projection" and "PROJECTION (not measured) to 8 × h100" in printed
+    assert projection["step_seconds"] == pytest.approx(2_097_152 * 6.5e9 / (0.35 * 8 * 989e12))
+    assert len(projection["assumptions"]) == 3 and all(line in printed for line in projection["assumptions"])
+    assert projection["cost_usd"] == pytest.approx((8 * 30_000 + 10_500) * projection["days"] / (5 * 365))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from tokenizers import Tokenizer
 
 from cram.data.clean import is_incompressible
@@ -21,41 +22,74 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.int32)
 
 
+WHITESPACE = " \n\t\r"
+
+
 class DocumentTokenizer:
     """A `datasets.map` function (arrow batches in, one row out per batch): the batch's kept documents as
     one token stream, each followed by [SEP], plus counts for the statistics.
 
     One row per batch keeps the stream as a flat numpy array; a list of Python ints per document is what
-    makes the usual tokenize-then-group approach slow and memory-hungry.
+    makes the usual tokenize-then-group approach slow and memory-hungry. The tokenizer sees at most `max_chars`
+    characters per call: runs of documents up to that size, and a longer document in windows of a tenth of it
+    cut at whitespace (where the whitespace pre-tokenizer splits anyway, so the ids are the same), so the
+    Python strings and encodings in a worker (a few hundred bytes per token) stay bounded whatever the
+    documents' lengths.
     """
 
-    def __init__(self, tokenizer: Tokenizer, sep_id: int, trash_cutoff: float, dtype: np.dtype) -> None:
+    def __init__(self, tokenizer: Tokenizer, sep_id: int, trash_cutoff: float, dtype: np.dtype,
+                 max_chars: int = 1_000_000) -> None:
         self.tokenizer = tokenizer
         self.sep_id = sep_id
         self.trash_cutoff = trash_cutoff
         self.dtype = dtype
+        self.max_chars = max_chars
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        texts = batch.column("text").to_pylist()
-        encodings = self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
-        kept_ids: list[list[int]] = []
+        texts = batch.column("text").combine_chunks()
+        lengths = pc.utf8_length(texts).to_numpy(zero_copy_only=False)
+        kept_ids: list[np.ndarray] = []
         kept_chars = 0
-        for text, encoding in zip(texts, encodings, strict=True):
-            ids = encoding.ids
-            if not is_incompressible(len(ids), len(text), self.trash_cutoff):
-                kept_ids.append(ids)
-                kept_chars += len(text)
-        lengths = np.fromiter((len(ids) + 1 for ids in kept_ids), dtype=np.int64, count=len(kept_ids))
-        stream = np.full(int(lengths.sum()), self.sep_id, dtype=self.dtype)
-        starts = np.cumsum(lengths) - lengths
-        for start, ids in zip(starts.tolist(), kept_ids, strict=True):
-            stream[start:start + len(ids)] = ids
+        start = 0
+        while start < len(texts):
+            stop = start + 1 + int(np.searchsorted(np.cumsum(lengths[start + 1:]), self.max_chars - lengths[start],
+                                                   side="right"))
+            if lengths[start] > self.max_chars:  # alone in its run (stop == start + 1)
+                encoded = [self._encode_long(texts.slice(start, 1), int(lengths[start]))]
+            else:
+                encodings = self.tokenizer.encode_batch_fast(texts.slice(start, stop - start).to_pylist(),
+                                                             add_special_tokens=False)
+                encoded = [np.array(encoding.ids, dtype=self.dtype) for encoding in encodings]
+            for ids, characters in zip(encoded, lengths[start:stop].tolist(), strict=True):
+                if not is_incompressible(len(ids), characters, self.trash_cutoff):
+                    kept_ids.append(ids)
+                    kept_chars += characters
+            start = stop
+        separator = np.array([self.sep_id], dtype=self.dtype)
+        stream = np.concatenate([part for ids in kept_ids for part in (ids, separator)] or [separator[:0]])
         return pa.table({
             "ids": pa.ListArray.from_arrays(pa.array([0, len(stream)], pa.int32()), pa.array(stream)),
             "documents_kept": [len(kept_ids)],
             "documents_incompressible": [len(texts) - len(kept_ids)],
             "chars_kept": [kept_chars],
         })
+
+    def _encode_long(self, document: pa.Array, length: int) -> np.ndarray:
+        """The ids of one document longer than `max_chars`, read from Arrow and tokenized a window at a time.
+
+        The windows are smaller than a run of short documents: one text is encoded on one thread, and memory
+        freed between many large single-text encodings is not all returned to the allocator.
+        """
+        window = max(1, self.max_chars // 10)
+        pieces: list[np.ndarray] = []
+        carried = ""
+        for position in range(0, length, window):
+            text = carried + pc.utf8_slice_codeunits(document, position, position + window)[0].as_py()
+            cut = max(text.rfind(space) for space in WHITESPACE) if position + window < length else -1
+            text, carried = (text[:cut], text[cut:]) if cut > 0 else (text, "")
+            encoding = self.tokenizer.encode_batch_fast([text], add_special_tokens=False)[0]
+            pieces.append(np.array(encoding.ids, dtype=self.dtype))
+        return np.concatenate(pieces)
 
 
 class BlockWriter:

@@ -27,7 +27,7 @@ from cram.data.clean import DocumentFilter, WeightSampler
 from cram.data.options import DataOptions
 from cram.data.pack import BlockWriter, DocumentTokenizer, block_order, pack_streams, token_dtype
 from cram.data.sources import Source, iter_records, resolve_sources, source_identity
-from cram.data.tokenizer import sentence_end_ids, train_wordpiece
+from cram.data.tokenizer import document_separator_id, sentence_end_ids, train_byte_level_bpe, train_wordpiece
 from cram.errors import UserError
 
 OPTIONS_FILE = "data_options.json"
@@ -35,6 +35,9 @@ STATS_FILE = "stats.json"
 # Documents per Arrow record batch while reading, and per tokenizer call: large enough to amortise
 # per-call overhead, small enough that one batch is a few MB.
 DOCUMENT_BATCH = 1000
+# ... and at most this many characters (one long document alone may be more; the tokenizer then reads it in
+# windows of this size), so a batch of book-length documents cannot take gigabytes in each worker.
+BATCH_CHARS = 1_000_000
 
 
 @dataclass
@@ -131,8 +134,11 @@ def _build(options: DataOptions, sources: list[Source], out_dir: Path, num_proc:
     stats["seconds_reading"] = _lap(clock)
 
     clock = time.perf_counter()
-    if column == "text":
-        tokenizer = train_wordpiece(
+    if column == "text" and options.tokenizer:
+        tokenizer = _load_tokenizer(options.tokenizer, "to tokenize the text")
+    elif column == "text":
+        train = train_byte_level_bpe if options.tokenizer_model == "bpe" else train_wordpiece
+        tokenizer = train(
             _sample_texts(documents, options.tokenizer_sample_chars, options.seed),
             options.vocab_size, options.lowercase, options.seq_len, progress,
         )
@@ -182,7 +188,7 @@ def _write_documents(sources: list[Source], options: DataOptions, path: Path, st
     column = ""
     writer = None
     buffer: list = []
-    read = kept = 0
+    read = kept = buffered_chars = 0
     with open(path, "wb") as file, tqdm(desc="Reading documents", unit=" docs", disable=not progress) as bar:
         for index, source in enumerate(sources):
             sampler = WeightSampler(source.weight, options.seed, index)
@@ -201,9 +207,10 @@ def _write_documents(sources: list[Source], options: DataOptions, path: Path, st
                 copies = sampler.copies()
                 buffer += [value] * copies
                 kept += copies
-                if len(buffer) >= DOCUMENT_BATCH:
+                buffered_chars += copies * len(value)
+                if len(buffer) >= DOCUMENT_BATCH or buffered_chars >= BATCH_CHARS:
                     writer = _write_batch(writer, file, column, buffer)
-                    buffer = []
+                    buffer, buffered_chars = [], 0
         if buffer:
             writer = _write_batch(writer, file, column, buffer)
         if writer is not None:
@@ -232,11 +239,17 @@ def _write_batch(writer: pa.ipc.RecordBatchStreamWriter | None, file, column: st
 
 
 def _sample_texts(documents: datasets.Dataset, budget_chars: int, seed: int) -> Iterator[str]:
-    """Texts from randomly chosen runs of documents until `budget_chars`: a bounded sample spread over the corpus."""
+    """Texts from randomly chosen runs of documents until `budget_chars`: a bounded sample spread over the corpus.
+
+    A document longer than BATCH_CHARS contributes its first BATCH_CHARS characters (read without the rest), so a
+    book-length document cannot make the tokenizer trainer hold it whole.
+    """
     starts = np.random.default_rng(seed).permutation(np.arange(0, len(documents), DOCUMENT_BATCH))
     used = 0
     for start in starts.tolist():
-        for text in documents.data.slice(start, DOCUMENT_BATCH).column("text").to_pylist():
+        run = documents.data.slice(start, DOCUMENT_BATCH).column("text")
+        for index in range(len(run)):
+            text = pc.utf8_slice_codeunits(run.slice(index, 1), 0, BATCH_CHARS)[0].as_py()
             yield text
             used += len(text)
             if used >= budget_chars:
@@ -246,13 +259,16 @@ def _sample_texts(documents: datasets.Dataset, budget_chars: int, seed: int) -> 
 def _tokenized_streams(documents: datasets.Dataset, tokenizer: PreTrainedTokenizerFast, options: DataOptions,
                        dtype: np.dtype, work_dir: Path, num_proc: int, stats: dict) -> Iterator[np.ndarray]:
     """Tokenize and filter in parallel (one worker per core), then yield each batch's token stream in order."""
-    sep_id = tokenizer.convert_tokens_to_ids("[SEP]")
-    tokenize = DocumentTokenizer(tokenizer.backend_tokenizer, sep_id, options.trash_cutoff, dtype)
-    batches = max(1, -(-len(documents) // DOCUMENT_BATCH))
+    separator = document_separator_id(tokenizer)
+    tokenize = DocumentTokenizer(tokenizer.backend_tokenizer, separator, options.trash_cutoff, dtype, BATCH_CHARS)
+    # Map batches of BATCH_CHARS on average: each yields one row of tokens, and the writer holds a batch's rows.
+    characters = pc.sum(pc.utf8_length(documents.data.column("text"))).as_py() or 1
+    batch_size = max(1, min(DOCUMENT_BATCH, BATCH_CHARS * len(documents) // characters))
+    batches = max(1, -(-len(documents) // batch_size))
     streams = documents.with_format("arrow").map(
         tokenize,
         batched=True,
-        batch_size=DOCUMENT_BATCH,
+        batch_size=batch_size,
         remove_columns=["text"],
         num_proc=min(num_proc, batches) if num_proc > 1 else None,
         cache_file_name=str(work_dir / "tokens.arrow"),
@@ -279,12 +295,16 @@ def _pretokenized_streams(documents: datasets.Dataset, stats: dict) -> Iterator[
 
 def _pretokenized_tokenizer(options: DataOptions, sources: list[Source]) -> PreTrainedTokenizerFast:
     location = options.tokenizer or (sources[0].hub_name or str(sources[0].files[0].parent))
+    return _load_tokenizer(location, "for the pre-tokenized input_ids", "that made them")
+
+
+def _load_tokenizer(location: str, purpose: str, which: str = "of a tokenizer") -> PreTrainedTokenizerFast:
     try:
         return AutoTokenizer.from_pretrained(location)
     except (OSError, ValueError) as err:
         raise UserError(
-            f"could not load the tokenizer for the pre-tokenized input_ids from {location} "
-            f"({type(err).__name__}); pass --tokenizer with the folder or Hub name that made them"
+            f"could not load the tokenizer {purpose} from {location} "
+            f"({type(err).__name__}); pass --tokenizer with the folder or Hub name {which}"
         ) from None
 
 

@@ -36,6 +36,7 @@ class Source:
     weight: float
     files: tuple[Path, ...] = ()
     hub_name: str = ""
+    hub_revision: str = ""  # the commit a Hub dataset is read at: the newest when the sources were resolved
 
 
 def resolve_sources(specs: list[str], cache_dir: Path | None = None) -> list[Source]:
@@ -44,9 +45,10 @@ def resolve_sources(specs: list[str], cache_dir: Path | None = None) -> list[Sou
 
 
 def source_identity(source: Source, hub_config: str, hub_split: str) -> list:
-    """What the cache key needs to notice a changed source: each file's path, size and modification time."""
+    """What the cache key needs to notice a changed source: each file's path, size and modification time, or a Hub
+    dataset's commit (so an updated dataset is prepared afresh, not served stale from the cache)."""
     if source.kind == "hub":
-        return [source.hub_name, hub_config, hub_split, source.weight]
+        return [source.hub_name, source.hub_revision, hub_config, hub_split, source.weight]
     files = [[str(path), path.stat().st_size, path.stat().st_mtime_ns] for path in source.files]
     return [files, source.weight]
 
@@ -55,7 +57,7 @@ def iter_records(source: Source, text_column: str, hub_config: str, hub_split: s
                  skip_invalid_utf8: bool, counters: dict) -> Iterator[dict]:
     """Yield the source's records in a fixed order; count skipped invalid UTF-8 in counters['invalid_utf8_skipped']."""
     if source.kind == "hub":
-        yield from _hub_records(source.hub_name, text_column, hub_config, hub_split)
+        yield from _hub_records(source.hub_name, source.hub_revision, text_column, hub_config, hub_split)
         return
     for path in source.files:
         yield from _file_records(path, text_column, skip_invalid_utf8, counters)
@@ -80,7 +82,7 @@ def _resolve(spec: str, cache_dir: Path | None) -> Source:
             )
         return Source(spec, "files", weight, files)
     if HUB_NAME.match(location) and _format_of(path) not in TEXT_FORMATS:
-        return Source(spec, "hub", weight, hub_name=location)
+        return Source(spec, "hub", weight, hub_name=location, hub_revision=_hub_revision(location))
     raise UserError(f"data source {location} does not exist; check the path (or name a Hub dataset as owner/name)")
 
 
@@ -234,17 +236,31 @@ def _checked(record: object, path: Path | str, text_column: str) -> dict:
     raise UserError(f"{path} has a record without a {text_column!r} field; pass --text_column naming the text field")
 
 
-def _hub_records(name: str, text_column: str, config: str, split: str) -> Iterator[dict]:
+def _hub_unreachable(name: str, err: Exception) -> UserError:
+    return UserError(
+        f"could not load {name!r} as a local path or a Hugging Face Hub dataset ({type(err).__name__}); "
+        "check the name and your network connection, or pass a local file or folder"
+    )
+
+
+def _hub_revision(name: str) -> str:
+    """The commit of the Hub dataset `name` now; reading at it keeps the data and the cache key in step."""
+    from huggingface_hub import HfApi
+
+    try:
+        return HfApi().dataset_info(name).sha
+    except Exception as err:  # the Hub client raises many types for one cause: no data reachable under that name
+        raise _hub_unreachable(name, err) from None
+
+
+def _hub_records(name: str, revision: str, text_column: str, config: str, split: str) -> Iterator[dict]:
     import datasets
 
     try:
-        stream = iter(datasets.load_dataset(name, config or None, split=split, streaming=True))
+        stream = iter(datasets.load_dataset(name, config or None, split=split, revision=revision, streaming=True))
         first = next(stream, None)
     except Exception as err:  # the Hub client raises many types for one cause: no data reachable under that name
-        raise UserError(
-            f"could not load {name!r} as a local path or a Hugging Face Hub dataset ({type(err).__name__}); "
-            "check the name and your network connection, or pass a local file or folder"
-        ) from None
+        raise _hub_unreachable(name, err) from None
     if first is not None:
         yield _checked(first, name, text_column)
     for record in stream:

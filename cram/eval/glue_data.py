@@ -12,6 +12,7 @@ are ordinary characters in these files (a sentence may start with one), so they 
 from __future__ import annotations
 
 import csv
+import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,6 +169,9 @@ def features(task: GlueTask) -> datasets.Features:
 
 
 def load_from_hub(task: GlueTask) -> dict[str, datasets.Dataset]:
+    hub_logger = logging.getLogger("huggingface_hub")
+    level = hub_logger.level
+    hub_logger.setLevel(logging.ERROR)  # without a network, each retry would print a line before our one sentence
     try:
         loaded = datasets.load_dataset(HUB_DATASET, task.name)
     except Exception as err:  # no network, offline mode, a proxy, a renamed dataset: all end the same way
@@ -175,6 +179,8 @@ def load_from_hub(task: GlueTask) -> dict[str, datasets.Dataset]:
             f"could not load GLUE task {task.name} from the Hugging Face Hub ({type(err).__name__}): without a "
             "network, pass --glue-dir DIR with the original GLUE download (DIR/CoLA/train.tsv, …)."
         ) from err
+    finally:
+        hub_logger.setLevel(level)
     text_a, text_b = task.hub_columns
     splits = {"train": "train", **{key: split for key, (_, split) in task.dev_sets.items()}}
     sets = {}

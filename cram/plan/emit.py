@@ -33,11 +33,8 @@ def deepspeed_config(candidate: Candidate) -> dict:
         "wall_clock_breakdown": False,
         "zero_optimization": zero,
     }
-    if candidate.optimizer == "adamw-8bit" or candidate.offload:
-        # The recipe brings its own optimizer (bitsandbytes 8-bit, or torch's fused AdamW); DeepSpeed would
-        # otherwise insist on its CPU Adam under offload and refuse an optimizer it has not tested.
-        config["zero_allow_untested_optimizer"] = True
-        config["zero_force_ds_cpu_optimizer"] = False
+    if candidate.optimizer == "adamw-8bit":
+        config["zero_allow_untested_optimizer"] = True  # bitsandbytes' optimizer is not on DeepSpeed's list
     return config
 
 

@@ -23,7 +23,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from cram.data import DataOptions, prepare
+from cram.data import DataOptions, is_prepared, prepare, prepared_path
 from cram.data.collator import MaskedLMCollator
 from cram.plan.models import build_model, flops_per_token, is_causal, model_config
 from cram.plan.search import Probe, largest_dividing, largest_micro_batch
@@ -31,13 +31,23 @@ from cram.plan.space import Candidate
 from cram.plan.timing import MemoryGauge, StepTimes, TimingClock
 from cram.train.loop import train
 from cram.train.optim import build_adamw
-from cram.train.runtime import build_accelerator, configure_deepspeed, enable_tf32, resolve_compile
+from cram.train.runtime import (
+    build_accelerator,
+    check_optimizer_for_deepspeed,
+    configure_deepspeed,
+    enable_tf32,
+    is_compiled,
+    local_main_first,
+)
 from cram.train.sampling import stream_loader
 from cram.train.state import TrainState
 from cram.train.throughput import peak_flops
 
 # Pythia's tokenizer cannot be fetched here; any real text in ids below the vocabulary times the same (dense model).
 PYTHIA_STANDIN_VOCAB = 8192
+# A process that ran out of memory alone leaves the others waiting in a collective: they give up after this, so
+# the launch ends and the candidate is recorded as infeasible instead of hanging the sweep.
+COLLECTIVE_TIMEOUT_MINUTES = 10.0
 
 
 def causal_lm_batch(items: dict) -> dict[str, torch.Tensor]:
@@ -54,21 +64,24 @@ class CandidateRun:
         self.seq_len = request["seq_len"]
         self.global_batch_size = request["global_batch_size"]
         self.config = model_config(request["model"], self.seq_len)
-        self.compile = resolve_compile(request["compile"], accelerator.device.type)
+        self.compile = is_compiled(accelerator)
         plugin = accelerator.state.deepspeed_plugin
+        check_optimizer_for_deepspeed(plugin and plugin.deepspeed_config, self.candidate.optimizer == "adamw-8bit")
         # configure_deepspeed fills the "auto" fields in place; each probe starts again from the file's values.
         self.deepspeed_file_config = copy.deepcopy(plugin.deepspeed_config) if plugin is not None else None
-        with accelerator.local_main_process_first():
-            self.blocks, self.collate = self._data(request.get("cache_dir"))
+        self.blocks, self.collate = self._data(request.get("cache_dir"))
 
     def _data(self, cache_dir: str | None):
-        if is_causal(self.request["model"]):
-            options = DataOptions(sources=["embedded"], vocab_size=PYTHIA_STANDIN_VOCAB, seq_len=self.seq_len)
-            return prepare(options, cache_dir=cache_dir).dataset, causal_lm_batch
-        data = prepare(DataOptions(sources=["embedded"], vocab_size=self.config.vocab_size, seq_len=self.seq_len),
-                       cache_dir=cache_dir)
-        collate = MaskedLMCollator.for_tokenizer(data.tokenizer, self.config.sparse_prediction, seed=0)
-        return data.dataset, collate
+        """Real text, prepared (or found cached) by each machine's first process, as the recipes do."""
+        causal = is_causal(self.request["model"])
+        vocab_size = PYTHIA_STANDIN_VOCAB if causal else self.config.vocab_size
+        options = DataOptions(sources=["embedded"], vocab_size=vocab_size, seq_len=self.seq_len)
+        target = prepared_path(options, cache_dir)
+        data = local_main_first(self.accelerator, lambda: prepare(options, cache_dir=cache_dir),
+                                ready=lambda: is_prepared(target))
+        if causal:
+            return data.dataset, causal_lm_batch
+        return data.dataset, MaskedLMCollator.for_tokenizer(data.tokenizer, self.config.sparse_prediction, seed=0)
 
     def release(self) -> None:
         self.accelerator.free_memory()
@@ -88,9 +101,7 @@ class CandidateRun:
         optimizer = build_adamw(model, 1e-4, (0.9, 0.95), 1e-8, 0.01,
                                 eight_bit=self.candidate.optimizer == "adamw-8bit")
         configure_deepspeed(accelerator, micro_batch, self.global_batch_size, 1.0)
-        model, optimizer = accelerator.prepare(model, optimizer)
-        if self.compile:
-            model = torch.compile(model)
+        model, optimizer = accelerator.prepare(model, optimizer)  # compiles too, where the launch resolved it
         batches = iter(stream_loader(
             self.blocks, self.collate, start=0, micro_batch_size=micro_batch,
             process_index=accelerator.process_index, num_processes=accelerator.num_processes,
@@ -115,16 +126,16 @@ def is_out_of_memory(error: BaseException) -> bool:
 def probe_once(run: CandidateRun, gauge: MemoryGauge, micro_batch: int, limit_bytes: float) -> Probe:
     """One optimizer step at `micro_batch` (accumulation 1: the optimizer state is allocated, as in any step)."""
     gauge.reset()
-    error = None
+    out_of_memory = False
     try:
         run.steps(micro_batch, 1, TimingClock(1, run.accelerator.device))
     except Exception as caught:  # noqa: BLE001 - only out-of-memory is a "does not fit"; others go up below
         if not is_out_of_memory(caught):
             raise
-        error = caught
+        out_of_memory = True  # not the exception itself: its traceback would keep the probe's tensors alive
     finally:
         run.release()
-    peak, failed = agree_max(run.accelerator, [gauge.peak(), float(error is not None)])
+    peak, failed = agree_max(run.accelerator, [gauge.peak(), float(out_of_memory)])
     if failed:
         return Probe(micro_batch, False, None, "out of memory on the device")
     if peak > limit_bytes:
@@ -168,8 +179,8 @@ def describe_device(accelerator: Accelerator) -> str:
 
 def run_request(request: dict, accelerator: Accelerator) -> dict:
     enable_tf32()
-    gauge = MemoryGauge(accelerator.device)
     run = CandidateRun(request, accelerator)
+    gauge = MemoryGauge(accelerator.device)  # after the data is loaded: only what the model adds counts
     limit = request["memory_limit_bytes"]
     if limit is None:  # a GPU without --memory-limit: its own memory
         limit = torch.cuda.get_device_properties(accelerator.device).total_memory
@@ -195,7 +206,8 @@ def main() -> None:
     request_path = Path(sys.argv[1])
     request = json.loads(request_path.read_text())
     result_path = Path(request["result"])
-    accelerator = build_accelerator(request["precision"], None, str(result_path.parent))
+    accelerator = build_accelerator(request["precision"], request["compile"], None, str(result_path.parent),
+                                    COLLECTIVE_TIMEOUT_MINUTES)
     try:
         result = run_request(request, accelerator)
     except Exception as error:  # noqa: BLE001 - a failing candidate is a row of the table, not a crashed sweep

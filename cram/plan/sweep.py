@@ -69,9 +69,14 @@ def launch_probe(accelerate_file: Path, request: dict, request_file: Path, timeo
         return {"status": "infeasible", "reason": f"no result within {timeout:g} s (hung or too slow)"}
     if result_file.exists():
         return json.loads(result_file.read_text())
-    tail = [line for line in log_file.read_text(errors="replace").splitlines() if line.strip()][-1:]
-    return {"status": "infeasible",
-            "reason": f"the launch exited with status {returncode}: {tail[0][:300] if tail else 'no output'}"}
+    return {"status": "infeasible", "reason": f"the launch exited with status {returncode}: {last_error(log_file)}"}
+
+
+def last_error(log_file: Path) -> str:
+    """The last line of the launch's output that names an error (the launcher's own banner says nothing)."""
+    lines = [line.strip() for line in log_file.read_text(errors="replace").splitlines()]
+    errors = [line for line in lines if ("Error" in line or "error:" in line) and "ChildFailedError" not in line]
+    return (errors or [line for line in lines if line] or ["no output"])[-1][:300]
 
 
 def sweep(candidates: list[Candidate], setting: Setting, shape: Shape, limit_bytes: float, work_dir: Path,
@@ -85,6 +90,9 @@ def sweep(candidates: list[Candidate], setting: Setting, shape: Shape, limit_byt
         if candidate.is_fsdp and setting.use_cpu:
             row.update(status="infeasible", source="rules", reason="FSDP needs GPUs: on the CPU Accelerate falls "
                        "back to MULTI_CPU data parallel, with no sharding to measure")
+        elif candidate.optimizer == "adamw-8bit" and candidate.offload and candidate.is_deepspeed:
+            row.update(status="infeasible", source="rules", reason="DeepSpeed replaces an 8-bit optimizer with its "
+                       "32-bit CPU Adam when it offloads the optimizer (see check_optimizer_for_deepspeed)")
         elif (reason := prune_reason(candidate, shape, limit_bytes)) is not None:
             row.update(status="infeasible", source="memory model", reason=reason)
         elif cached.exists():

@@ -19,6 +19,8 @@ from cram.errors import UserError
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 COMPILE_CHOICES = ("auto", "true", "false")
+# NCCL's own default is 10 minutes; gathering a large model's full state for a checkpoint can take longer.
+COLLECTIVE_TIMEOUT_MINUTES = 30.0
 Result = TypeVar("Result")
 # The oldest versions a training run was tested with (pyproject.toml's floors). Older ones fail quietly: before
 # accelerate 1.8, `DeepSpeedEngineWrapper.backward` ignores `sync_gradients`, so every micro-batch of an
@@ -126,7 +128,8 @@ def use_cpu_cores() -> None:
 
 
 def build_accelerator(
-    precision: str, compile_choice: str, log_with: str | None, project_dir: str, collective_timeout_minutes: float,
+    precision: str, compile_choice: str, log_with: str | None, project_dir: str,
+    collective_timeout_minutes: float = COLLECTIVE_TIMEOUT_MINUTES,
 ) -> Accelerator:
     """The Accelerator for the launch config's choice of DDP, DeepSpeed or FSDP, on GPUs or the CPU.
 
