@@ -39,8 +39,70 @@ bench-data: setup
 cram-1gpu: setup
 	$(BIN)/accelerate launch -q --config_file accel_configs/1gpu.yaml recipes/cram.py --budget 24h
 
+# GLUE: fine-tune CKPT on every task with the paper's protocol; CKPT=runs/cram/final by default.
+.PHONY: glue bench-quality
+CKPT ?= runs/cram/final
+glue: setup
+	$(BIN)/accelerate launch -q --config_file accel_configs/1gpu.yaml recipes/glue.py --model $(CKPT)
+
+bench-quality: setup
+	$(BIN)/python -m cram.bench.quality
+
 clean:
 	rm -rf runs .pytest_cache
+
+# Pythia: `make pythia-<size>-<hardware> DATA=PREFIX`, e.g. `make pythia-1b-4xa100 DATA=pile/document`;
+# `make pythia-4xa100` is pythia-1b on four A100s. DATA is the Megatron .bin/.idx prefix (or any source
+# recipes/pythia.py reads), TOKENIZER the tokenizer that made it, MICRO the micro-batch per GPU (the global
+# batch of 1024 is reached by accumulation). The exact `accelerate launch` is printed before it runs.
+PYTHIA_SIZES    := 14m 31m 70m 160m 410m 1b 1.4b 2.8b 6.9b 12b
+PYTHIA_HARDWARE := 1x24gb 1xa100 4xa100 8xa100 8xh100
+TOKENIZER       ?= EleutherAI/gpt-neox-20b
+# hardware -> launch config, default micro-batch per GPU, GPU memory (GiB) the size is checked against
+PYTHIA_CONFIG_1x24gb := accel_configs/1x24gb-offload.yaml
+PYTHIA_MICRO_1x24gb  := 4
+PYTHIA_MEMORY_1x24gb := 24
+PYTHIA_CONFIG_1xa100 := accel_configs/1xa100.yaml
+PYTHIA_MICRO_1xa100  := 16
+PYTHIA_MEMORY_1xa100 := 80
+PYTHIA_CONFIG_4xa100 := accel_configs/4xa100.yaml
+PYTHIA_MICRO_4xa100  := 16
+PYTHIA_MEMORY_4xa100 := 80
+PYTHIA_CONFIG_8xa100 := accel_configs/8gpu-zero1.yaml
+PYTHIA_MICRO_8xa100  := 16
+PYTHIA_MEMORY_8xa100 := 80
+PYTHIA_CONFIG_8xh100 := accel_configs/8gpu-zero1.yaml
+PYTHIA_MICRO_8xh100  := 16
+PYTHIA_MEMORY_8xh100 := 80
+
+.PHONY: pythia-data
+pythia-data:
+	@test -n "$(DATA)" || { echo "error: pass DATA=PATH, the Megatron .bin/.idx prefix of the training data (e.g. DATA=pile/document) or any source recipes/pythia.py reads." >&2; exit 2; }
+
+# The DATA check comes before `setup`, so a missing DATA costs nothing.
+define pythia_target
+.PHONY: pythia-$(1)-$(2)
+pythia-$(1)-$(2): pythia-data setup
+	@echo "$$(BIN)/accelerate launch -q --config_file $$(PYTHIA_CONFIG_$(2)) recipes/pythia.py --size pythia-$(1) --data $$(DATA) --tokenizer $$(TOKENIZER) --micro-batch-size $$(or $$(MICRO),$$(PYTHIA_MICRO_$(2))) --device-memory-gib $$(PYTHIA_MEMORY_$(2)) --output-dir runs/pythia-$(1)-$(2) --resume auto"
+	$$(BIN)/accelerate launch -q --config_file $$(PYTHIA_CONFIG_$(2)) recipes/pythia.py --size pythia-$(1) --data $$(DATA) --tokenizer $$(TOKENIZER) --micro-batch-size $$(or $$(MICRO),$$(PYTHIA_MICRO_$(2))) --device-memory-gib $$(PYTHIA_MEMORY_$(2)) --output-dir runs/pythia-$(1)-$(2) --resume auto
+endef
+$(foreach size,$(PYTHIA_SIZES),$(foreach hardware,$(PYTHIA_HARDWARE),$(eval $(call pythia_target,$(size),$(hardware)))))
+
+.PHONY: pythia-4xa100 pythia-smoke
+pythia-4xa100: pythia-1b-4xa100
+
+# pythia-14m on 64-token sequences for 4 steps, on the CPU with 2 processes under ZeRO-1 and then ZeRO-3, on a
+# Megatron file and tokenizer written from the embedded corpus (runs/pythia-smoke/data).
+pythia-smoke: setup
+	$(BIN)/python -m cram.data.megatron embedded --output runs/pythia-smoke/data/document --vocab-size 1000 \
+		--max-documents 400
+	for stage in zero1 zero3; do \
+		echo "$(BIN)/accelerate launch -q --config_file accel_configs/cpu-$$stage.yaml recipes/pythia.py --size pythia-14m --data runs/pythia-smoke/data/document --tokenizer runs/pythia-smoke/data/tokenizer --max-steps 4 --seq-len 64 --global-batch-size 8 --micro-batch-size 2 --log-every 1 --output-dir runs/pythia-smoke/$$stage"; \
+		$(BIN)/accelerate launch -q --config_file accel_configs/cpu-$$stage.yaml recipes/pythia.py --size pythia-14m \
+			--data runs/pythia-smoke/data/document --tokenizer runs/pythia-smoke/data/tokenizer --max-steps 4 \
+			--seq-len 64 --global-batch-size 8 --micro-batch-size 2 --log-every 1 \
+			--output-dir runs/pythia-smoke/$$stage || exit $$?; \
+	done
 
 # The planner: which configuration trains MODEL fastest on the hardware ACCEL_CONFIG describes, and what the run costs.
 MODEL ?= pythia-1b

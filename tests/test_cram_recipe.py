@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import re
@@ -208,6 +209,30 @@ def test_data_smaller_than_one_micro_batch_is_refused(tmp_path, recipe_module, m
         "--micro-batch-size."
     )
     assert not output_dir.exists()
+
+
+def test_resuming_a_checkpoint_of_other_data_is_refused(tmp_path, recipe_module, monkeypatch, capsys, few_blocks):
+    # A checkpoint whose run matches this one in everything but the data's block count, as when the set at the
+    # same path was prepared again from other text.
+    arguments = ["cram.py", "--preset", "tiny", "--max-steps", "1", "--data", str(few_blocks), "--micro-batch-size",
+                 "1", "--target-batch-size", "1", "--output-dir", str(tmp_path / "run")]
+    monkeypatch.setattr(sys, "argv", arguments)
+    training, _ = recipe_module.parse_options()
+    data = load_prepared(few_blocks)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000001"
+    checkpoint.mkdir(parents=True)
+    run = {"training": dataclasses.asdict(training),
+           "data": {"set": few_blocks.name, "blocks": len(data.dataset) + 1, "vocab_size": len(data.tokenizer)},
+           "launch": {"distributed_type": "DistributedType.NO", "num_processes": 1}}
+    (checkpoint / STATE_FILE).write_text(json.dumps({"state": {"optimizer_steps": 1}, "run": run}))
+    monkeypatch.setattr(sys, "argv", [*arguments, "--resume", "auto"])
+    with pytest.raises(SystemExit) as exited:
+        run_cli(recipe_module.main)
+    stderr = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exited.value.code == 2 and stderr.startswith("error: cannot resume")
+    assert f"data.blocks: {len(data.dataset) + 1} then, {len(data.dataset)} now" in stderr
+    assert "training." not in stderr and "launch." not in stderr
+    assert not (tmp_path / "run" / "final").exists()
 
 
 @pytest.mark.parametrize("arguments, message", [(["--budgett", "3s"], "unknown option --budgett"),

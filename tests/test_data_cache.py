@@ -22,6 +22,7 @@ from cram.errors import UserError
 CHANGED_VALUES = {
     "sources": None,
     "vocab_size": 1000,
+    "tokenizer_model": "bpe",
     "seq_len": 64,
     "trash_cutoff": 0.3,
     "dedup": True,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pytest
 
 from cram.data.pack import DocumentTokenizer
 from cram.data.tokenizer import train_wordpiece
@@ -31,6 +32,7 @@ def peak_rss_kb(corpus: Path, output: Path) -> tuple[int, int]:
     return int(tokens), int(peak)
 
 
+@pytest.mark.slow
 def test_a_few_book_length_documents_take_no_more_memory_than_the_same_text_in_short_ones(
     tmp_path, english_texts
 ):

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from cram.errors import UserError
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+BPE_SPECIAL_TOKENS = ["<|endoftext|>", "<|padding|>"]  # GPT-NeoX-20B's ids 0 and 1
+TOKENIZER_MODELS = ("wordpiece", "bpe")
+# Byte-level BPE starts from all 256 bytes, plus its special tokens.
+MIN_BPE_VOCAB_SIZE = 256 + len(BPE_SPECIAL_TOKENS)
 ORDERINGS = ("curriculum", "random", "none")
 # WordPiece needs the special tokens plus at least the corpus's characters; below this it cannot learn words.
 MIN_VOCAB_SIZE = 100
@@ -20,7 +24,11 @@ class DataOptions:
                   "Hugging Face Hub dataset names, or 'embedded' (offline docs corpus). Append ':WEIGHT' to "
                   "scale a source's share: 0.3 keeps a random 30%% of its documents, 2 repeats each twice."},
     )
-    vocab_size: int = field(default=32768, metadata={"help": "WordPiece vocabulary size, special tokens included."})
+    vocab_size: int = field(default=32768, metadata={"help": "Vocabulary size to train, special tokens included."})
+    tokenizer_model: str = field(
+        default="wordpiece",
+        metadata={"help": "Tokenizer trained on raw text: 'wordpiece' (BERT's) or 'bpe' (byte-level, GPT-NeoX's)."},
+    )
     seq_len: int = field(default=128, metadata={"help": "Tokens per packed block."})
     trash_cutoff: float = field(
         default=0.25,
@@ -52,8 +60,8 @@ class DataOptions:
     )
     tokenizer: str = field(
         default="",
-        metadata={"help": "For pre-tokenized sources: folder or Hub name of the tokenizer that made the input_ids "
-                  "(default: the source itself)."},
+        metadata={"help": "Folder or Hub name of an existing tokenizer: for raw text, used instead of training one; "
+                  "for pre-tokenized sources, the one that made the input_ids (default: the source itself)."},
     )
     skip_invalid_utf8: bool = field(
         default=False,
@@ -69,6 +77,13 @@ class DataOptions:
                 f"vocab_size {self.vocab_size} leaves too little room beside the {len(SPECIAL_TOKENS)} special tokens "
                 f"and the alphabet; pass --vocab_size of at least {MIN_VOCAB_SIZE} (32768 is the recipe's)"
             )
+        if self.tokenizer_model not in TOKENIZER_MODELS:
+            raise UserError(
+                f"unknown tokenizer_model {self.tokenizer_model!r}; pass one of {', '.join(TOKENIZER_MODELS)}")
+        if self.tokenizer_model == "bpe" and self.vocab_size < MIN_BPE_VOCAB_SIZE:
+            raise UserError(
+                f"vocab_size {self.vocab_size} is smaller than byte-level BPE's 256 bytes and "
+                f"{len(BPE_SPECIAL_TOKENS)} special tokens; pass --vocab_size of at least {MIN_BPE_VOCAB_SIZE}")
         if self.seq_len < 2:
             raise UserError(f"seq_len {self.seq_len} is too short; pass --seq_len of at least 2 (128 is the recipe's)")
         if self.ordering not in ORDERINGS:

@@ -27,7 +27,7 @@ from cram.data.clean import DocumentFilter, WeightSampler
 from cram.data.options import DataOptions
 from cram.data.pack import BlockWriter, DocumentTokenizer, block_order, pack_streams, token_dtype
 from cram.data.sources import Source, iter_records, resolve_sources, source_identity
-from cram.data.tokenizer import sentence_end_ids, train_wordpiece
+from cram.data.tokenizer import document_separator_id, sentence_end_ids, train_byte_level_bpe, train_wordpiece
 from cram.errors import UserError
 
 OPTIONS_FILE = "data_options.json"
@@ -134,8 +134,11 @@ def _build(options: DataOptions, sources: list[Source], out_dir: Path, num_proc:
     stats["seconds_reading"] = _lap(clock)
 
     clock = time.perf_counter()
-    if column == "text":
-        tokenizer = train_wordpiece(
+    if column == "text" and options.tokenizer:
+        tokenizer = _load_tokenizer(options.tokenizer, "to tokenize the text")
+    elif column == "text":
+        train = train_byte_level_bpe if options.tokenizer_model == "bpe" else train_wordpiece
+        tokenizer = train(
             _sample_texts(documents, options.tokenizer_sample_chars, options.seed),
             options.vocab_size, options.lowercase, options.seq_len, progress,
         )
@@ -256,8 +259,8 @@ def _sample_texts(documents: datasets.Dataset, budget_chars: int, seed: int) -> 
 def _tokenized_streams(documents: datasets.Dataset, tokenizer: PreTrainedTokenizerFast, options: DataOptions,
                        dtype: np.dtype, work_dir: Path, num_proc: int, stats: dict) -> Iterator[np.ndarray]:
     """Tokenize and filter in parallel (one worker per core), then yield each batch's token stream in order."""
-    sep_id = tokenizer.convert_tokens_to_ids("[SEP]")
-    tokenize = DocumentTokenizer(tokenizer.backend_tokenizer, sep_id, options.trash_cutoff, dtype, BATCH_CHARS)
+    separator = document_separator_id(tokenizer)
+    tokenize = DocumentTokenizer(tokenizer.backend_tokenizer, separator, options.trash_cutoff, dtype, BATCH_CHARS)
     # Map batches of BATCH_CHARS on average: each yields one row of tokens, and the writer holds a batch's rows.
     characters = pc.sum(pc.utf8_length(documents.data.column("text"))).as_py() or 1
     batch_size = max(1, min(DOCUMENT_BATCH, BATCH_CHARS * len(documents) // characters))
@@ -292,12 +295,16 @@ def _pretokenized_streams(documents: datasets.Dataset, stats: dict) -> Iterator[
 
 def _pretokenized_tokenizer(options: DataOptions, sources: list[Source]) -> PreTrainedTokenizerFast:
     location = options.tokenizer or (sources[0].hub_name or str(sources[0].files[0].parent))
+    return _load_tokenizer(location, "for the pre-tokenized input_ids", "that made them")
+
+
+def _load_tokenizer(location: str, purpose: str, which: str = "of a tokenizer") -> PreTrainedTokenizerFast:
     try:
         return AutoTokenizer.from_pretrained(location)
     except (OSError, ValueError) as err:
         raise UserError(
-            f"could not load the tokenizer for the pre-tokenized input_ids from {location} "
-            f"({type(err).__name__}); pass --tokenizer with the folder or Hub name that made them"
+            f"could not load the tokenizer {purpose} from {location} "
+            f"({type(err).__name__}); pass --tokenizer with the folder or Hub name {which}"
         ) from None
 
 

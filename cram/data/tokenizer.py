@@ -1,13 +1,14 @@
-"""Train the WordPiece tokenizer from scratch (no pretrained vocabulary anywhere) and wrap it for `transformers`."""
+"""Train a tokenizer from scratch (no pretrained vocabulary anywhere) and wrap it for `transformers`: WordPiece
+for crammed BERT, byte-level BPE (GPT-NeoX's kind) for causal models."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from cram.data.options import SPECIAL_TOKENS
+from cram.data.options import BPE_SPECIAL_TOKENS, SPECIAL_TOKENS
 from cram.errors import UserError
 
 
@@ -47,6 +48,37 @@ def train_wordpiece(texts: Iterator[str], vocab_size: int, lowercase: bool, mode
         mask_token="[MASK]",
         model_max_length=model_max_length,
     )
+
+
+def train_byte_level_bpe(texts: Iterator[str], vocab_size: int, lowercase: bool, model_max_length: int,
+                         progress: bool = False) -> PreTrainedTokenizerFast:
+    """A byte-level BPE like GPT-NeoX-20B's: every byte has a token (nothing is unknown), <|endoftext|>=0 ends each
+    document and <|padding|>=1 pads, as in the tokenizer Pythia was trained with."""
+    tokenizer = Tokenizer(models.BPE())
+    if lowercase:
+        tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=BPE_SPECIAL_TOKENS, show_progress=progress,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    end_of_text, padding = BPE_SPECIAL_TOKENS
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=end_of_text, eos_token=end_of_text, unk_token=end_of_text,
+        pad_token=padding, model_max_length=model_max_length,
+    )
+
+
+def document_separator_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The token packing puts after each document: [SEP] for BERT-style vocabularies, else end-of-text."""
+    separator = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else tokenizer.eos_token_id
+    if separator is None:
+        raise UserError("the tokenizer has neither a separator nor an end-of-text token to put between documents; "
+                        "give one that has (GPT-NeoX-20B's ends documents with <|endoftext|>)")
+    return separator
 
 
 def sentence_end_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:

@@ -55,9 +55,13 @@ def stream_loader(
     blocks, collate_fn, *, start: int, micro_batch_size: int, process_index: int, num_processes: int,
     num_workers: int = 0, pin_memory: bool = False,
 ) -> DataLoader:
-    """A DataLoader over the endless stream from `start`, for one process (not to be passed to `prepare`)."""
+    """A DataLoader over the endless stream from `start`, for one process (not to be passed to `prepare`).
+
+    `blocks` is a `datasets.Dataset` of token blocks, or a torch `Dataset` already addressed by serial like
+    `SerialBlocks` (e.g. runs of a Megatron token file).
+    """
     return DataLoader(
-        SerialBlocks(blocks),
+        blocks if isinstance(blocks, Dataset) else SerialBlocks(blocks),
         batch_sampler=StreamSlices(start, micro_batch_size, process_index, num_processes),
         collate_fn=collate_fn,
         num_workers=num_workers,

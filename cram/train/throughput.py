@@ -42,6 +42,14 @@ def crammed_bert_flops_per_token(
     return 6.0 * (num_layers * (layer_weights + attention) + decoder)
 
 
+def gpt_neox_flops_per_token(num_layers: int, hidden: int, intermediate: int, vocab_size: int, seq_len: int) -> float:
+    """Training FLOPs per token of a GPT-NeoX (Pythia) model: 6·N over the matmul weights N (attention, MLP and
+    the untied output projection; the input embedding is a lookup) plus the attention term 6·2·layers·seq·hidden
+    (QKᵀ and attention·V, counted in full as in PaLM's MFU)."""
+    matmul_weights = num_layers * (4 * hidden * hidden + 2 * hidden * intermediate) + hidden * vocab_size
+    return 6.0 * matmul_weights + 12.0 * num_layers * seq_len * hidden
+
+
 def peak_flops(device: torch.device, num_processes: int = 1) -> float | None:
     """Peak dense bf16 FLOP/s of `num_processes` devices like `device` (one per process), or None for CPUs and
     unlisted GPUs: no MFU is better than a wrong one."""

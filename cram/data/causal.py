@@ -1,0 +1,97 @@
+"""Training sequences for causal language models (Pythia), from whichever source the user has.
+
+Every item is a run of seq_len + 1 tokens: the model reads the first seq_len and predicts the last seq_len, as
+GPT-NeoX trained Pythia on 2049-token sequences. Sources, by what the path is:
+- a Megatron `.bin`/`.idx` pair (the prefix, or either file): sequence i is the i-th run of seq_len + 1 tokens of
+  the file, so EleutherAI's pre-shuffled Pile replays Pythia's batches exactly;
+- a set made by recipes/prepare_data.py whose blocks are seq_len + 1 tokens long;
+- anything else `cram.data` reads: pre-tokenized `input_ids` (parquet, jsonl, a Hub set) with their tokenizer, or
+  raw text, tokenized with `--tokenizer` or with a byte-level BPE trained on it, packed into seq_len + 1 blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from cram.data.megatron import MegatronSequences, MegatronTokens, is_megatron
+from cram.data.options import DataOptions
+from cram.data.prepare import is_prepared, load_prepared, prepare, prepared_path
+from cram.errors import UserError
+from cram.train.sampling import SerialBlocks
+
+
+@dataclass
+class CausalData:
+    sequences: Dataset  # addressed by serial: item s is sequence s mod len, {"input_ids": seq_len + 1 tokens}
+    tokenizer: PreTrainedTokenizerBase
+    name: str  # what a resumed run must read again
+    description: str
+
+
+def causal_lm_batch(items: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Collate runs of seq_len + 1 tokens into the model's inputs (the first seq_len) and targets (the last
+    seq_len, already shifted, so no position is lost to the usual shift inside the loss)."""
+    tokens = items["input_ids"].long()
+    inputs = tokens[:, :-1].contiguous()
+    return {"input_ids": inputs, "labels": inputs, "shift_labels": tokens[:, 1:].contiguous()}
+
+
+def load_tokenizer(location: str) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(location)
+    except (OSError, ValueError) as err:
+        raise UserError(
+            f"could not load a tokenizer from {location} ({type(err).__name__}): pass --tokenizer with a tokenizer "
+            "folder or a Hub name you can reach, e.g. a local copy of EleutherAI/gpt-neox-20b."
+        ) from None
+
+
+def _options(source: str, seq_len: int, vocab_size: int, tokenizer: str | None) -> DataOptions:
+    return DataOptions(
+        sources=[source], vocab_size=vocab_size, seq_len=seq_len + 1, tokenizer_model="bpe", lowercase=False,
+        trash_cutoff=0.0, ordering="none", tokenizer=tokenizer or "",
+    )
+
+
+def causal_data_to_prepare(
+    source: str, seq_len: int, vocab_size: int, tokenizer: str | None = None, cache_dir: str | None = None
+) -> Path | None:
+    """The folder `load_causal_data` with these arguments prepares, or None when it reads `source` as it is."""
+    if is_megatron(source) or is_prepared(source):
+        return None
+    return prepared_path(_options(source, seq_len, vocab_size, tokenizer), cache_dir)
+
+
+def load_causal_data(
+    source: str, seq_len: int, vocab_size: int, tokenizer: str | None = None, cache_dir: str | None = None
+) -> CausalData:
+    """Sequences of seq_len + 1 tokens from `source` (see the module's docstring), and their tokenizer."""
+    length = seq_len + 1
+    if is_megatron(source):
+        if tokenizer is None:
+            raise UserError(
+                "Megatron token files carry no tokenizer: pass --tokenizer with the one that made them "
+                "(Pythia's data: EleutherAI/gpt-neox-20b or a local copy of it)."
+            )
+        tokens = MegatronTokens(source)
+        sequences = MegatronSequences(tokens, length)
+        description = (f"{len(sequences):,} sequences of {length} tokens ({tokens.num_tokens:,} {tokens.dtype} "
+                       f"tokens in {tokens.num_sequences:,} index entries) from {tokens.bin_path}")
+        return CausalData(sequences, load_tokenizer(tokenizer), str(tokens.prefix), description)
+    if is_prepared(source):
+        prepared = load_prepared(source)
+    else:
+        prepared = prepare(_options(source, seq_len, vocab_size, tokenizer), cache_dir=cache_dir)
+    block = len(prepared.dataset[0]["input_ids"])
+    if block != length:
+        raise UserError(
+            f"{prepared.path} holds blocks of {block} tokens, not seq_len + 1 = {length}: pass --seq-len {block - 1}, "
+            f"or prepare the set again with --seq_len {length}."
+        )
+    description = f"{len(prepared.dataset):,} sequences of {length} tokens from {prepared.path}"
+    return CausalData(SerialBlocks(prepared.dataset), prepared.tokenizer, prepared.path.name, description)

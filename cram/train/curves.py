@@ -1,0 +1,44 @@
+"""A run's training curves as one PNG: loss, learning rate, batch size and tokens/s against step and time."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CURVES = (("loss", "loss"), ("lr", "learning rate"), ("batch_size", "batch (sequences)"),
+          ("tokens_per_second", "tokens/s"))
+AXES = (("step", "optimizer step"), ("elapsed", "training time (s)"))
+
+
+def write_training_curves(history: list[dict], path: str | Path) -> Path | None:
+    """Plot the logged rows into `path` (a 4 × 2 grid: each quantity against step and against time).
+
+    Written under a temporary name and renamed, so a reader never sees half a file. None when nothing is logged.
+    """
+    if not history:
+        return None
+    # Imported here: matplotlib takes seconds to import, which every recipe start would pay otherwise.
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on training machines
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    figure, axes = plt.subplots(len(CURVES), len(AXES), figsize=(10, 11), squeeze=False)
+    for row, (key, label) in enumerate(CURVES):
+        for column, (x_key, x_label) in enumerate(AXES):
+            axis = axes[row][column]
+            points = [(entry[x_key], entry[key]) for entry in history if key in entry and x_key in entry]
+            axis.plot([x for x, _ in points], [y for _, y in points], marker="." if len(points) < 50 else None)
+            axis.set_xlabel(x_label)
+            axis.set_ylabel(label)
+            axis.grid(alpha=0.3)
+    figure.tight_layout()
+    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        figure.savefig(staging, format="png", dpi=80)
+        os.replace(staging, path)
+    finally:
+        plt.close(figure)
+        staging.unlink(missing_ok=True)
+    return path

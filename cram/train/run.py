@@ -1,0 +1,330 @@
+"""The run glue every training recipe composes around the shared loop.
+
+A recipe builds its data, model and schedule; `RecipeRun` supplies the rest, the same for every model family:
+the launch (Accelerator, compile, the checkpoint to resume from), the record of resolved options saved beside
+every checkpoint, the tracker, periodic checkpoints with their Hub push, the training-curves plot, and the end of
+a run (the exported model, summary.json, the model card, the final push).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+from cram.cli import option
+from cram.errors import UserError
+from cram.hub import BackgroundPusher, ModelCardFacts, check_repo_id, push_checkpoint, write_model_card
+from cram.train.budget import WallClock
+from cram.train.checkpoint import (
+    Checkpointer,
+    check_same_run,
+    complete_checkpoints,
+    export_model,
+    find_checkpoint,
+    load_checkpoint,
+    read_checkpoint,
+)
+from cram.train.curves import write_training_curves
+from cram.train.loop import train
+from cram.train.optim import optimizer_state_bytes
+from cram.train.preemption import Preemption
+from cram.train.runtime import COLLECTIVE_TIMEOUT_MINUTES, build_accelerator, is_compiled, parameter_counts, shut_down
+from cram.train.state import TrainState
+from cram.train.trackers import TRACKERS, flatten_config
+
+CURVES_FILE = "training_curves.png"
+
+
+@dataclass
+class RunOptions:
+    """Options that change only speed, memory and bookkeeping."""
+
+    output_dir: str = option(
+        "runs/train", "where the run writes: the model lands in OUTPUT_DIR/final, training states in checkpoints/")
+    precision: str = option(
+        "auto", "auto (bf16 on GPUs and CPUs that support it, else fp16 on GPUs, fp32 on CPUs), bf16, fp16 or fp32"
+    )
+    compile: str = option("auto", "torch.compile: auto (on for GPUs that support it), true or false")
+    activation_checkpointing: bool = option(False, "recompute each layer in the backward pass: less memory, slower")
+    num_workers: int | None = option(None, "data loader workers; unset means 2 on GPU, 0 on CPU")
+    log_every: int = option(10, "log every N optimizer steps")
+    report_to: str = option(
+        "none", f"experiment tracker: {', '.join(TRACKERS)} (WANDB_MODE=offline works without network)")
+    checkpoint_every: int = option(0, "save a resumable training state every N optimizer steps (0: off)")
+    checkpoint_every_minutes: float = option(30.0, "save a resumable training state every N minutes (0: off)")
+    keep_checkpoints: int = option(2, "how many training states to keep (the newest)")
+    resume: str = option(
+        "none", "auto (the newest complete state in OUTPUT_DIR/checkpoints, if any), a step-N folder, or none")
+    push_to_hub: str | None = option(
+        None, "ORG/NAME: push the final model, tokenizer, options and a model card to the Hugging Face Hub")
+    hub_public: bool = option(False, "make the Hub repository public (private by default)")
+    push_checkpoints: bool = option(
+        False, "also push each periodic checkpoint's model to the Hub, as the revision step-N")
+    cache_dir: str | None = option(None, "where prepared data is cached; unset means $CRAM_CACHE or ~/.cache/cram")
+    collective_timeout_minutes: float = option(
+        COLLECTIVE_TIMEOUT_MINUTES,
+        "how long a process waits for the others in a collective (a gradient sync, a checkpoint) before failing")
+
+
+def check_run_options(options: RunOptions) -> None:
+    """Refuse run options a user got wrong, before anything starts."""
+    if options.report_to not in TRACKERS:
+        raise UserError(f"unknown tracker {options.report_to!r}: choose one of {', '.join(TRACKERS)}.")
+    if options.checkpoint_every < 0 or options.checkpoint_every_minutes < 0:
+        raise UserError("checkpoint intervals cannot be negative: give 0 to turn one off.")
+    if options.keep_checkpoints < 1:
+        raise UserError("--keep-checkpoints must be at least 1: the newest state is what a resumed run needs.")
+    if options.push_to_hub is not None:
+        check_repo_id(options.push_to_hub)
+    elif options.push_checkpoints:
+        raise UserError("--push-checkpoints needs --push-to-hub ORG/NAME: name the repository to push them to.")
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+
+def describe_hardware(accelerator: Accelerator) -> str:
+    """E.g. "4 × NVIDIA A100-SXM4-80GB, DEEPSPEED ZeRO-3" or "1 × CPU"."""
+    text = f"{accelerator.num_processes} × {device_name(accelerator.device)}"
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None:
+        return f"{text}, DeepSpeed ZeRO-{plugin.zero_stage}"
+    return text if accelerator.num_processes == 1 else f"{text}, {accelerator.distributed_type.value}"
+
+
+class RecipeRun:
+    """One launched training run: what a recipe needs around `cram.train.loop.train`, in the order it needs it.
+
+        run = RecipeRun("cram", options)           # Accelerator, compile choice, the checkpoint to resume from
+        run.check_resume(facts)                    # the facts a resumed run must share with the saved one
+        model, optimizer, state = run.prepare(model, optimizer)
+        run.start_trackers(training, extras, state)
+        checkpointer = run.checkpointer(state, model, tokenizer, card)
+        finished = run.train(model, optimizer, batches, clock, state, checkpointer, peak_lr=..., ...)
+        run.finish(state, finished, checkpointer, model, optimizer, tokenizer, card, ...)
+    """
+
+    def __init__(self, project: str, options: RunOptions):
+        self.project = project
+        self.options = options
+        self.output_dir = Path(options.output_dir)
+        self.accelerator = build_accelerator(
+            options.precision, options.compile, None if options.report_to == "none" else options.report_to,
+            str(self.output_dir), options.collective_timeout_minutes,
+        )
+        self.device_type = self.accelerator.device.type
+        self.use_compile = is_compiled(self.accelerator)
+        self.resume_from = find_checkpoint(options.resume, self.output_dir / "checkpoints")
+        if options.resume == "none" and complete_checkpoints(self.output_dir / "checkpoints"):
+            raise UserError(
+                f"{self.output_dir} already holds checkpoints of a run: continue it with --resume auto, "
+                "or start a new run in another --output-dir."
+            )
+        self.facts: dict = {}
+        self.resolved: dict = {}
+        self.parameters = self.parameters_held = 0
+        self.preemption: Preemption | None = None
+        self.pusher: BackgroundPusher | None = None
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def num_workers(self) -> int:
+        if self.options.num_workers is not None:
+            return self.options.num_workers
+        return 2 if self.device_type == "cuda" else 0  # on the CPU, workers would take cores from the model
+
+    def check_resume(self, facts: dict) -> None:
+        """Remember what a resumed run must share with this one; refuse a checkpoint written by a different run."""
+        self.facts = facts
+        if self.resume_from is not None:
+            check_same_run(read_checkpoint(self.resume_from)[1], facts, self.resume_from)
+
+    def prepare(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer, TrainState]:
+        """Hand model and optimizer to Accelerate (which compiles the model when asked), and restore the saved state
+        when resuming."""
+        model, optimizer = self.accelerator.prepare(model, optimizer)
+        state = TrainState()
+        if self.resume_from is not None:
+            state = load_checkpoint(self.accelerator, self.resume_from)
+            if self.is_main_process:
+                print(f"resuming from {self.resume_from}: step {state.optimizer_steps}, "
+                      f"{state.elapsed:.0f} s of training done")
+        self.parameters, self.parameters_held = parameter_counts(model)
+        return model, optimizer, state
+
+    def start_trackers(self, training: object, resolved_extras: dict, state: TrainState) -> None:
+        """Record the resolved options (saved beside every exported model) and start the tracker with them."""
+        accelerator = self.accelerator
+        self.resolved = {
+            "training": dataclasses.asdict(training),
+            "implementation": dataclasses.asdict(self.options),
+            "resolved": {
+                **resolved_extras,
+                "mixed_precision": accelerator.mixed_precision,
+                "compile": self.use_compile,
+                "distributed_type": str(accelerator.distributed_type),
+                "num_processes": accelerator.num_processes,
+                "device": device_name(accelerator.device),
+                "parameters": self.parameters,
+                "parameters_held_by_rank0": self.parameters_held,
+            },
+        }
+        # A resumed run keeps logging to the same wandb run (the id is saved in every checkpoint).
+        accelerator.init_trackers(self.project, config=flatten_config(self.resolved),
+                                  init_kwargs={"wandb": {"id": state.run_id, "resume": "allow"}})
+
+    def card(self, state: TrainState, *, model: str, config: PretrainedConfig, **facts) -> ModelCardFacts:
+        """The model card's facts: the run's own (repository, architecture, size, hardware, progress) plus the
+        recipe's (data, budget, how to load it)."""
+        return ModelCardFacts(
+            repo_id=self.options.push_to_hub or str(self.output_dir / "final"),
+            architecture=f"{model}, {config.num_hidden_layers} layers × {config.hidden_size}, "
+                         f"{config.num_attention_heads} heads, vocab {config.vocab_size}",
+            num_parameters=self.parameters,
+            hardware=describe_hardware(self.accelerator),
+            tokens_seen=state.tokens,
+            optimizer_steps=state.optimizer_steps,
+            final_loss=state.final_loss,
+            **facts,
+        )
+
+    def checkpointer(
+        self, state: TrainState, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
+        card: Callable[[TrainState], ModelCardFacts], *,
+        revision_at: Callable[[TrainState, Path], str | None] = lambda state, saved: saved.name,
+        also_at: Collection[int] = (),
+    ) -> Checkpointer:
+        """Periodic training states, and one at each step in `also_at` (step 0: before training, in a fresh run);
+        after each, the curves plot and (with --push-checkpoints) the model pushed to the Hub revision
+        `revision_at(state, saved)` (None: not this one). Installs the preemption handler."""
+        options = self.options
+        if options.push_checkpoints:
+            self.pusher = BackgroundPusher(options.push_to_hub, private=not options.hub_public)
+
+        def after_save(state: TrainState, saved: Path) -> None:
+            if self.is_main_process:
+                write_training_curves(state.history, self.output_dir / CURVES_FILE)
+            revision = revision_at(state, saved) if options.push_checkpoints else None
+            if revision is not None:
+                self.push_checkpoint_model(state, saved, model, tokenizer, card, revision)
+
+        checkpointer = ScheduledCheckpointer(
+            also_at, self.accelerator, self.output_dir / "checkpoints", self.facts,
+            every_steps=options.checkpoint_every,
+            every_seconds=options.checkpoint_every_minutes * 60,
+            keep=options.keep_checkpoints,
+            on_save=after_save,
+            resumed_at=state.optimizer_steps if self.resume_from else None,
+        )
+        self.preemption = Preemption().install()
+        if 0 in also_at and state.optimizer_steps == 0:
+            checkpointer.save(state)
+        return checkpointer
+
+    def train(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator[dict], clock: WallClock,
+        state: TrainState, checkpointer: Checkpointer, *, peak_lr: float, lr_shape: Callable[[float], float],
+        accumulation_at: Callable[[float], int], max_grad_norm: float, flops_per_token: float,
+    ) -> bool:
+        """`cram.train.loop.train` with this run's accelerator, logging interval, checkpointer and stop signal."""
+        return train(
+            model, optimizer, batches, self.accelerator, clock, state, peak_lr=peak_lr, lr_shape=lr_shape,
+            accumulation_at=accumulation_at, max_grad_norm=max_grad_norm, log_every=self.options.log_every,
+            flops_per_token=flops_per_token, checkpointer=checkpointer, preemption=self.preemption,
+        )
+
+    def push_checkpoint_model(
+        self, state: TrainState, saved: Path, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
+        card: Callable[[TrainState], ModelCardFacts], revision: str,
+    ) -> None:
+        """The model at this step, as a plain checkpoint, to the Hub revision `revision` (every process calls it;
+        uploaded in the background from a copy that checkpoint pruning cannot delete)."""
+        exported = export_model(self.accelerator, model, tokenizer, self.resolved,
+                                self.output_dir / "hub-uploads" / revision)
+        if exported is None:  # not rank 0
+            return
+        write_model_card(exported, card(state))
+        self.pusher.submit(exported, revision=revision)
+
+    def finish(
+        self, state: TrainState, finished: bool, checkpointer: Checkpointer, model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer, tokenizer: PreTrainedTokenizerBase,
+        card: Callable[[TrainState], ModelCardFacts], *, blocks: int, flops_per_token: float, load_hint: str,
+    ) -> None:
+        """After the loop: stop for a signal (saving the state), else export the model, write the summary, the
+        curves and the card, end every process together, then push."""
+        if not finished:
+            checkpointer.stop(state, self.preemption)
+        checkpoint = export_model(self.accelerator, model, tokenizer, self.resolved, self.output_dir / "final")
+        if checkpoint is not None:  # rank 0
+            write_summary(state, checkpoint, self.output_dir, blocks, flops_per_token, self.parameters,
+                          self.parameters_held, self.resume_from, optimizer_state_bytes(optimizer), load_hint)
+            write_training_curves(state.history, self.output_dir / CURVES_FILE)
+            write_model_card(checkpoint, card(state))
+        shut_down(self.accelerator)
+        if self.pusher is not None:
+            self.pusher.finish()  # the checkpoints' revisions land before the final model
+        if checkpoint is not None and self.options.push_to_hub:  # a failed push loses nothing: all is written
+            url = push_checkpoint(checkpoint, self.options.push_to_hub, private=not self.options.hub_public)
+            print(f"pushed to the Hub: {url}")
+
+
+class ScheduledCheckpointer(Checkpointer):
+    """A `Checkpointer` that also saves at listed steps (Pythia's 154 released checkpoints)."""
+
+    def __init__(self, steps: Collection[int], *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.steps = frozenset(steps)
+
+    def due(self, state: TrainState, time_due: bool) -> bool:
+        scheduled = state.optimizer_steps in self.steps and state.optimizer_steps != self.last_saved_step
+        return scheduled or super().due(state, time_due)
+
+
+def write_summary(
+    state: TrainState, checkpoint: Path, output_dir: Path, blocks: int, flops_per_token: float, parameters: int,
+    parameters_held: int, resume_from: Path | None, optimizer_state: int, load_hint: str,
+) -> None:
+    """OUTPUT_DIR/summary.json, and the run's last words on the console (ending with how to load the model)."""
+    summary = {
+        "optimizer_steps": state.optimizer_steps,
+        "sequences": state.sequences,
+        "tokens": state.tokens,
+        "seconds": round(state.elapsed, 1),
+        "tokens_per_second": round(state.tokens_per_second, 1),
+        "epochs": state.sequences // blocks,
+        "first_loss": state.first_loss,
+        "final_loss": state.final_loss,
+        "flops_per_token": flops_per_token,
+        "mfu": state.history[-1].get("mfu"),
+        "peak_memory_gib": max(row["peak_memory_gib"] for row in state.history),
+        "parameters": parameters,
+        "parameters_held_by_rank0": parameters_held,
+        "optimizer_state_bytes_held_by_rank0": optimizer_state,
+        "resumed_from": str(resume_from) if resume_from else None,
+        "checkpoint": str(checkpoint),
+        "history": state.history,
+    }
+    staging = output_dir / "summary.json.tmp"
+    staging.write_text(json.dumps(summary, indent=2) + "\n")
+    staging.replace(output_dir / "summary.json")
+    print(
+        f"\ntrained {state.optimizer_steps} steps, {state.tokens:,} tokens in {state.elapsed:.0f} s "
+        f"({state.tokens_per_second:,.0f} tokens/s, {summary['epochs']} full pass(es) over the data); "
+        f"loss {state.first_loss:.3f} -> {state.final_loss:.3f}\n"
+        f"checkpoint: {checkpoint}\n"
+        f"load it with:\n{load_hint}"
+    )

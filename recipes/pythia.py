@@ -1,0 +1,188 @@
+"""Pythia: pretrain a GPT-NeoX model of the Pythia suite with the published recipe.
+
+    accelerate launch --config_file accel_configs/4xa100.yaml recipes/pythia.py --size pythia-1b \\
+        --data pile/document --tokenizer EleutherAI/gpt-neox-20b --micro-batch-size 16
+
+The recipe is EleutherAI's: 143,000 steps of 1024 sequences × 2048 tokens, Adam betas (0.9, 0.95), eps 1e-8,
+weight decay 0.01, warm-up over 1 % of the steps then cosine decay to 10 % of the peak, clipping 1.0. The global
+batch is reached by accumulation over whatever processes the launch config starts (DeepSpeed's own under ZeRO).
+Training states are saved at Pythia's 154 checkpoint steps, pushed with --push-checkpoints as the Hub revisions
+stepN the released models use; a preempted run continues with --resume auto. On the pre-shuffled Pile, step k
+trains on exactly the sequences the released model saw at step k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+# This script's folder must not shadow the `cram` package on the import path (recipes/cram.py lives there).
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
+
+from accelerate.utils import set_seed
+from transformers import GPTNeoXForCausalLM, HfArgumentParser
+
+from cram.cli import option, parse_strictly
+from cram.data import is_prepared
+from cram.data.causal import CausalData, causal_data_to_prepare, causal_lm_batch, load_causal_data
+from cram.errors import UserError, run_cli
+from cram.hub import ModelCardFacts
+from cram.models.pythia import (
+    PYTHIA_SIZES,
+    check_size,
+    cosine_with_warmup,
+    pythia_checkpoint_steps,
+    pythia_config,
+    pythia_recipe,
+)
+from cram.train.budget import StepClock
+from cram.train.memory import check_model_fits
+from cram.train.optim import build_adamw
+from cram.train.ramp import full_accumulation
+from cram.train.run import RecipeRun, RunOptions, check_run_options
+from cram.train.runtime import configure_deepspeed, enable_tf32, local_main_first
+from cram.train.sampling import stream_loader
+from cram.train.state import TrainState
+from cram.train.throughput import gpt_neox_flops_per_token
+
+
+@dataclass
+class TrainingOptions:
+    """Options that change the result; unset ones take the published recipe's value."""
+
+    size: str = option("pythia-1b", f"model size: {', '.join(PYTHIA_SIZES)}")
+    data: str | None = option(
+        None, "a Megatron .bin/.idx prefix (e.g. the pre-shuffled Pile), a set made by prepare_data.py, "
+              "pre-tokenized input_ids, or raw text files")
+    tokenizer: str | None = option(
+        None, "tokenizer folder or Hub name (needed for Megatron files: EleutherAI/gpt-neox-20b); unset for raw "
+              "text trains a byte-level BPE on it")
+    max_steps: int | None = option(None, "optimizer steps; unset means the recipe's 143000 (the schedule scales)")
+    seq_len: int | None = option(None, "tokens per sequence; unset means 2048")
+    global_batch_size: int | None = option(None, "sequences per optimizer step; unset means 1024")
+    micro_batch_size: int = option(8, "sequences per forward pass per process")
+    lr: float | None = option(None, "peak learning rate; unset means the size's (3e-4 for pythia-1b)")
+    seed: int = option(1234, "random seed (of the initial weights; the data order is the data's)")
+
+
+@dataclass
+class ImplementationOptions(RunOptions):
+    """Options that change only speed, memory and bookkeeping."""
+
+    output_dir: str = option(
+        "runs/pythia", "where the run writes: the model lands in OUTPUT_DIR/final, training states in checkpoints/")
+    push_checkpoints: bool = option(
+        False, "also push the model at each of Pythia's checkpoint steps to the Hub, as the revision stepN")
+    device_memory_gib: float | None = option(
+        None, "memory per accelerator to check the size against; unset means the GPU's own (no check on the CPU)")
+
+
+def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
+    parser = HfArgumentParser((TrainingOptions, ImplementationOptions), description=__doc__.split("\n")[0])
+    training, implementation = parse_strictly(parser)
+    check_size(training.size)
+    if training.data is None:
+        raise UserError("no training data: pass --data with a Megatron .bin/.idx prefix, a prepared set or text files.")
+    if not Path(training.data).exists() and not Path(training.data + ".bin").exists():
+        raise UserError(f"the data path {training.data} does not exist: give an existing file, folder or .bin/.idx "
+                        "prefix.")
+    for name in ("max_steps", "seq_len", "global_batch_size"):
+        value = getattr(training, name)
+        if value is not None and value <= 0:
+            raise UserError(f"--{name.replace('_', '-')} {value} is not positive: give a positive number.")
+    check_run_options(implementation)
+    return training, implementation
+
+
+def main() -> None:
+    # Parse: everything a user can get wrong is checked before any step runs.
+    training, implementation = parse_options()
+    recipe = pythia_recipe(training.size)
+    max_steps = training.max_steps or recipe.train_steps
+    seq_len = training.seq_len or recipe.seq_len
+    global_batch = training.global_batch_size or recipe.global_batch_size
+    peak_lr = training.lr or recipe.peak_lr
+    config = pythia_config(training.size, max_position_embeddings=max(seq_len, recipe.seq_len))
+    run = RecipeRun("pythia", implementation)
+    accelerator = run.accelerator
+    accumulation = full_accumulation(global_batch, training.micro_batch_size, accelerator.num_processes)
+    configure_deepspeed(accelerator, training.micro_batch_size, global_batch, recipe.max_grad_norm)
+    check_model_fits(config, accelerator, implementation.device_memory_gib, training.size)
+    set_seed(training.seed)
+    enable_tf32()
+
+    # Build: data, model, optimizer.
+    data_arguments = (training.data, seq_len, config.vocab_size, training.tokenizer, implementation.cache_dir)
+    to_prepare = causal_data_to_prepare(*data_arguments)  # other processes poll it: no timeout while one prepares
+    data = local_main_first(accelerator, lambda: load_causal_data(*data_arguments),
+                            ready=lambda: to_prepare is None or is_prepared(to_prepare))
+    if run.is_main_process:
+        print(f"data: {data.description}")
+    check_vocabulary(data, config.vocab_size)
+    run.check_resume({  # what a resumed run must share with the run that wrote the checkpoint
+        "training": dataclasses.asdict(training),
+        "data": {"set": data.name, "sequences": len(data.sequences)},
+        "launch": {"distributed_type": str(accelerator.distributed_type), "num_processes": accelerator.num_processes},
+    })
+    model = GPTNeoXForCausalLM(config)
+    if implementation.activation_checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    optimizer = build_adamw(model, peak_lr, recipe.betas, recipe.eps, recipe.weight_decay)
+    model, optimizer, state = run.prepare(model, optimizer)
+    batches = iter(stream_loader(
+        data.sequences, causal_lm_batch, start=state.sequences, micro_batch_size=training.micro_batch_size,
+        process_index=accelerator.process_index, num_processes=accelerator.num_processes,
+        num_workers=run.num_workers, pin_memory=run.device_type == "cuda",
+    ))
+    run.start_trackers(training, {
+        "max_steps": max_steps, "seq_len": seq_len, "global_batch_size": global_batch, "peak_lr": peak_lr,
+        "accumulation": accumulation, "warmup_steps": round(recipe.warmup_fraction * max_steps),
+        "vocab_size": config.vocab_size, "data": data.name,
+    }, state)
+    flops_per_token = gpt_neox_flops_per_token(
+        config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.vocab_size, seq_len)
+
+    # Run: the step-based schedule, saving at Pythia's checkpoint steps up to --max-steps.
+    def model_card(state: TrainState) -> ModelCardFacts:
+        return run.card(
+            state, model=f"GPT-NeoX ({training.size})", config=config, auto_class="AutoModelForCausalLM",
+            data=f"{training.data} ({len(data.sequences):,} sequences of {seq_len + 1} tokens)",
+            budget=f"{max_steps} optimizer steps of {global_batch} × {seq_len} tokens", trust_remote_code=False,
+        )
+
+    checkpoint_steps = pythia_checkpoint_steps(max_steps)
+    checkpointer = run.checkpointer(
+        state, model, data.tokenizer, model_card, also_at=checkpoint_steps,
+        revision_at=lambda state, saved: f"step{state.optimizer_steps}"
+        if state.optimizer_steps in checkpoint_steps else None,
+    )
+    schedule = partial(cosine_with_warmup, warmup_fraction=recipe.warmup_fraction, min_ratio=recipe.min_lr_ratio)
+    finished = run.train(
+        model, optimizer, batches, StepClock(max_steps), state, checkpointer, peak_lr=peak_lr, lr_shape=schedule,
+        accumulation_at=lambda progress: accumulation, max_grad_norm=recipe.max_grad_norm,
+        flops_per_token=flops_per_token,
+    )
+
+    # Report: checkpoint, summary, curves, model card, Hub.
+    run.finish(state, finished, checkpointer, model, optimizer, data.tokenizer, model_card, blocks=len(data.sequences),
+               flops_per_token=flops_per_token, load_hint=LOAD_HINT.format(checkpoint=str(run.output_dir / "final")))
+
+
+LOAD_HINT = """    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained({checkpoint!r})
+    tokenizer = AutoTokenizer.from_pretrained({checkpoint!r})"""
+
+
+def check_vocabulary(data: CausalData, embedding_rows: int) -> None:
+    if len(data.tokenizer) > embedding_rows:
+        raise UserError(
+            f"the tokenizer has {len(data.tokenizer):,} tokens but the model's embedding has {embedding_rows:,} rows: "
+            "use a tokenizer of at most that many tokens (GPT-NeoX-20B's has 50,277)."
+        )
+
+
+if __name__ == "__main__":
+    run_cli(main)

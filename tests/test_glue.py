@@ -1,0 +1,232 @@
+"""recipes/glue.py end to end through `accelerate launch`, on a checkpoint the cram recipe made and on a plain BERT.
+
+One tiny crammed checkpoint is made per session by the cram recipe; one evaluation of it over four fixture tasks
+(single sentence, pair, regression, 3-class with two dev sets) is shared by the tests that read its report.
+"""
+
+from __future__ import annotations
+
+import json
+import runpy
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from glue_fixtures import write_glue_dir
+from safetensors.torch import load_file
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig, BertForMaskedLM
+
+import cram  # noqa: F401 - registers the Auto classes
+from cram.eval.glue_data import TASKS, load_task
+from cram.eval.glue_report import task_metrics
+from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "glue.py"
+ACCELERATE = Path(sys.executable).with_name("accelerate")
+# A quick protocol for tests: one epoch over 24 examples, fp32 so results do not depend on the CPU's bf16 units.
+QUICK = ["--epochs", "1", "--precision", "fp32", "--batch-size", "8"]
+
+
+def launch_glue(arguments: list, env: dict, launcher: bool = True) -> subprocess.CompletedProcess:
+    """recipes/glue.py through `accelerate launch` with the CPU config, or (launcher=False) as a plain script,
+    which saves the launcher's start-up where the launch itself is not what a test checks."""
+    launch = [ACCELERATE, "launch", "-q", "--config_file", REPO / "accel_configs" / "cpu.yaml"]
+    command = [*(launch if launcher else [sys.executable]), RECIPE, *arguments]
+    completed = subprocess.run([str(part) for part in command], env=env, capture_output=True, text=True, timeout=900)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return completed
+
+
+@pytest.fixture(scope="session")
+def crammed_checkpoint(tmp_path_factory, recipe_env, english_texts) -> Path:
+    """A tiny crammed BERT pretrained for 3 steps by recipes/cram.py, on a small corpus of real English."""
+    work = tmp_path_factory.mktemp("cram")
+    (work / "corpus.txt").write_text("\n\n".join(english_texts[:300]))
+    command = [sys.executable, REPO / "recipes" / "cram.py", "--preset", "tiny", "--max-steps", "3",
+               "--micro-batch-size", "8", "--target-batch-size", "16", "--data", work / "corpus.txt",
+               "--output-dir", work / "run", "--checkpoint-every-minutes", "0"]
+    completed = subprocess.run([str(part) for part in command], env=recipe_env, capture_output=True, text=True,
+                               timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return work / "run" / "final"
+
+
+@pytest.fixture(scope="module")
+def glue_dir(tmp_path_factory) -> Path:
+    return write_glue_dir(tmp_path_factory.mktemp("glue"), train=24, dev=12)
+
+
+@pytest.fixture(scope="module")
+def glue_run(tmp_path_factory, crammed_checkpoint, glue_dir, recipe_env) -> dict:
+    """CoLA, MRPC and STS-B with 2 seeds each, MNLI with 1: the evaluation every report test reads."""
+    checkpoint = shutil.copytree(crammed_checkpoint, tmp_path_factory.mktemp("model") / "final")
+    output_dir = tmp_path_factory.mktemp("glue-out")
+    completed = launch_glue(["--model", checkpoint, "--glue-dir", glue_dir, "--tasks", "cola,mrpc,stsb,mnli",
+                             "--seeds", "2", "--output-dir", output_dir, *QUICK], recipe_env)
+    return {"checkpoint": checkpoint, "output_dir": output_dir, "stdout": completed.stdout}
+
+
+@pytest.mark.slow
+def test_the_report_has_every_column_and_the_published_rows(glue_run):
+    output_dir = glue_run["output_dir"]
+    lines = (output_dir / "glue.md").read_text().splitlines()
+    assert lines[0] == "| model | MNLI m/mm | QQP | QNLI | SST-2 | CoLA | STS-B | MRPC | RTE | avg |"
+    ours = lines[2].split(" | ")
+    assert ours[0] == "| **ours**: final" and len(ours) == 10
+    assert "/" in ours[1] and "–" not in ours[1]  # MNLI matched and mismatched both scored
+    assert ours[2:5] == ["–", "–", "–"] and "–" not in "".join(ours[5:8])  # QQP QNLI SST-2 not run; CoLA STS-B MRPC
+    assert any(line.startswith("| crammed BERT, 24 h") for line in lines)
+    assert any(line.startswith("| BERT-base, fully trained") for line in lines)
+    report = json.loads((output_dir / "glue.json").read_text())
+    assert set(report["summary"]) == {"cola", "mrpc", "stsb", "mnli_matched", "mnli_mismatched"}
+    assert set(report["summary"]["mrpc"]) == {"accuracy", "f1"} and set(report["summary"]["stsb"]) == {
+        "pearson", "spearman"}
+    assert (output_dir / "glue.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_eval_results_beside_the_checkpoint_carry_the_medians(glue_run):
+    written = json.loads((glue_run["checkpoint"] / "eval_results.json").read_text())
+    summary = json.loads((glue_run["output_dir"] / "glue.json").read_text())["summary"]
+    assert written == {
+        "mnli_matched": summary["mnli_matched"]["accuracy"]["median"],
+        "mnli_mismatched": summary["mnli_mismatched"]["accuracy"]["median"],
+        "cola": summary["cola"]["matthews"]["median"],
+        "stsb": summary["stsb"]["pearson"]["median"],
+        "mrpc": summary["mrpc"]["f1"]["median"],
+    }
+    assert not [path for path in glue_run["checkpoint"].iterdir() if path.name.endswith(".tmp")]
+
+
+@pytest.mark.slow
+def test_each_seed_fine_tunes_and_the_summary_is_their_median(glue_run, glue_dir):
+    results_dir = glue_run["output_dir"] / "results"
+    assert sorted(path.name for path in results_dir.iterdir()) == [
+        "cola-seed0.json", "cola-seed1.json", "mnli-seed0.json", "mrpc-seed0.json", "mrpc-seed1.json",
+        "stsb-seed0.json", "stsb-seed1.json",
+    ]
+    summary = json.loads((glue_run["output_dir"] / "glue.json").read_text())["summary"]
+    seeds = [json.loads((results_dir / f"stsb-seed{seed}.json").read_text()) for seed in (0, 1)]
+    pearsons = [result["dev"]["stsb"]["pearson"] for result in seeds]
+    assert summary["stsb"]["pearson"]["median"] == pytest.approx(statistics.median(pearsons))
+    assert seeds[0]["predictions"] != seeds[1]["predictions"]  # the seeds really differ
+    for result in seeds:
+        assert result["optimizer_steps"] == 3  # 24 examples, batch 8, 1 epoch
+        assert result["trainable_parameters"] == result["total_parameters"]  # full fine-tuning
+    # The scores are the metrics of the saved predictions against the dev file's labels.
+    mnli = json.loads((results_dir / "mnli-seed0.json").read_text())
+    dev = load_task(TASKS["mnli"], str(glue_dir)).dev["mnli_mismatched"]
+    classes = np.array(mnli["predictions"]["mnli_mismatched"])
+    assert mnli["dev"]["mnli_mismatched"] == task_metrics("mnli_mismatched", classes, np.array(dev["label"]))
+
+
+@pytest.mark.slow
+def test_an_interrupted_evaluation_redoes_only_what_is_missing(glue_run, glue_dir, recipe_env, tmp_path):
+    # What an interruption during MNLI leaves: every earlier task's results, no MNLI result and no report.
+    output_dir = shutil.copytree(glue_run["output_dir"], tmp_path / "out")
+    (output_dir / "results" / "mnli-seed0.json").unlink()
+    (output_dir / "glue.md").unlink()
+    kept = {path.name: path.read_bytes() for path in (output_dir / "results").iterdir()}
+    completed = launch_glue(["--model", glue_run["checkpoint"], "--glue-dir", glue_dir, "--tasks",
+                             "cola,mrpc,stsb,mnli", "--seeds", "2", "--output-dir", output_dir, *QUICK], recipe_env,
+                            launcher=False)
+    assert completed.stdout.count(": cached in ") == 6
+    assert "fine-tuning" in completed.stdout and completed.stdout.count("fine-tuning on") == 1
+    assert "mnli seed 0: fine-tuning on 24 examples" in completed.stdout
+    assert all((output_dir / "results" / name).read_bytes() == content for name, content in kept.items())
+    assert (output_dir / "results" / "mnli-seed0.json").is_file() and (output_dir / "glue.md").is_file()
+
+
+@pytest.mark.slow
+def test_a_plain_hugging_face_bert_goes_through_the_same_command(crammed_checkpoint, glue_dir, recipe_env, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(crammed_checkpoint)
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=128)
+    BertForMaskedLM(config).save_pretrained(tmp_path / "bert")
+    tokenizer.save_pretrained(tmp_path / "bert")
+    launch_glue(["--model", tmp_path / "bert", "--glue-dir", glue_dir, "--tasks", "rte",
+                 "--output-dir", tmp_path / "out", "--seeds", "1", *QUICK], recipe_env)
+    result = json.loads((tmp_path / "out" / "results" / "rte-seed0.json").read_text())
+    assert result["optimizer_steps"] == 3 and set(result["dev"]["rte"]) == {"accuracy"}
+    written = json.loads((tmp_path / "bert" / "eval_results.json").read_text())
+    assert written == {"rte": result["dev"]["rte"]["accuracy"]}
+
+
+@pytest.mark.slow
+def test_lora_trains_only_adapter_and_head_and_the_adapter_reloads(crammed_checkpoint, glue_dir, recipe_env, tmp_path):
+    from peft import PeftModel
+
+    launch_glue(["--model", crammed_checkpoint, "--glue-dir", glue_dir, "--tasks", "sst2", "--lora-r", "4",
+                 "--output-dir", tmp_path / "out", "--write-eval-results", "false", *QUICK], recipe_env, launcher=False)
+    result = json.loads((tmp_path / "out" / "results" / "sst2-seed0.json").read_text())
+    adapter = tmp_path / "out" / "adapters" / "sst2-seed0"
+    weights = load_file(adapter / "adapter_model.safetensors")
+    assert all("lora_" in name or ".classifier." in name for name in weights)
+    assert any("classifier.dense" in name for name in weights)  # the pooler is trained and saved with the adapter
+    assert result["trainable_parameters"] == sum(tensor.numel() for tensor in weights.values())
+    assert result["trainable_parameters"] < result["total_parameters"] / 5
+
+    base = AutoModelForSequenceClassification.from_pretrained(crammed_checkpoint, num_labels=2)
+    model = PeftModel.from_pretrained(base, adapter).eval()
+    tokenizer = AutoTokenizer.from_pretrained(crammed_checkpoint)
+    dev = load_task(TASKS["sst2"], str(glue_dir)).dev["sst2"]
+    encoded = tokenizer(list(dev["text_a"]), padding=True, return_tensors="pt")
+    with torch.no_grad():
+        classes = model(**encoded).logits.argmax(-1).tolist()
+    assert classes == result["predictions"]["sst2"]
+
+
+def run_in_process(monkeypatch, capsys, arguments: list) -> str:
+    """Run recipes/glue.py's command line in this process (no training starts on bad input); returns stderr."""
+    monkeypatch.setattr(sys, "argv", [str(RECIPE), *map(str, arguments)])
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_path(str(RECIPE), run_name="__main__")
+    assert stopped.value.code == 2
+    stderr = capsys.readouterr().err
+    assert stderr.startswith("error: ") and len(stderr.strip().splitlines()) == 1
+    return stderr
+
+
+@pytest.mark.slow
+def test_bad_input_gets_one_sentence_before_any_training(
+    crammed_checkpoint, glue_dir, tmp_path, monkeypatch, capsys
+):
+    output_dir = tmp_path / "out"
+    common = ["--glue-dir", glue_dir, "--output-dir", output_dir]
+    (tmp_path / "not-a-model").mkdir()
+    assert "is not a model" in run_in_process(
+        monkeypatch, capsys, ["--model", tmp_path / "not-a-model", "--tasks", "rte", *common])
+    assert "wnli is not a GLUE task" in run_in_process(
+        monkeypatch, capsys, ["--model", crammed_checkpoint, "--tasks", "rte,wnli", *common])
+
+    partial = shutil.copytree(glue_dir, tmp_path / "partial")
+    (partial / "MNLI" / "dev_mismatched.tsv").unlink()
+    shutil.rmtree(partial / "RTE")
+    arguments = ["--model", crammed_checkpoint, "--glue-dir", partial, "--output-dir", output_dir]
+    assert "lacks RTE/train.tsv and dev.tsv" in run_in_process(monkeypatch, capsys, [*arguments, "--tasks", "rte"])
+    assert "lacks MNLI/dev_mismatched.tsv" in run_in_process(monkeypatch, capsys, [*arguments, "--tasks", "mnli"])
+
+    small = tmp_path / "small-vocab"
+    CrammedBertForMaskedLM(CrammedBertConfig.from_preset("tiny", vocab_size=64)).save_pretrained(small)
+    AutoTokenizer.from_pretrained(crammed_checkpoint).save_pretrained(small)
+    capsys.readouterr()  # the progress bar of saving it
+    assert "but the model embeds only 64" in run_in_process(monkeypatch, capsys, ["--model", small, *common])
+    assert not output_dir.exists()
+
+
+@pytest.mark.slow
+def test_without_network_or_glue_dir_one_sentence_names_glue_dir(crammed_checkpoint, recipe_env, tmp_path):
+    env = {**recipe_env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    command = [sys.executable, RECIPE, "--model", crammed_checkpoint, "--tasks", "rte", "--output-dir", tmp_path / "o"]
+    completed = subprocess.run([str(part) for part in command], env=env, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 2
+    assert completed.stderr.startswith("error: ") and len(completed.stderr.strip().splitlines()) == 1
+    assert "--glue-dir" in completed.stderr
+    assert not (tmp_path / "o").exists()
+
