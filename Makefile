@@ -75,10 +75,14 @@ PYTHIA_CONFIG_8xh100 := accel_configs/8gpu-zero1.yaml
 PYTHIA_MICRO_8xh100  := 16
 PYTHIA_MEMORY_8xh100 := 80
 
+.PHONY: pythia-data
+pythia-data:
+	@test -n "$(DATA)" || { echo "error: pass DATA=PATH, the Megatron .bin/.idx prefix of the training data (e.g. DATA=pile/document) or any source recipes/pythia.py reads." >&2; exit 2; }
+
+# The DATA check comes before `setup`, so a missing DATA costs nothing.
 define pythia_target
 .PHONY: pythia-$(1)-$(2)
-pythia-$(1)-$(2): setup
-	@test -n "$$(DATA)" || { echo "error: pass DATA=PATH, the Megatron .bin/.idx prefix of the training data (e.g. DATA=pile/document) or any source recipes/pythia.py reads." >&2; exit 2; }
+pythia-$(1)-$(2): pythia-data setup
 	@echo "$$(BIN)/accelerate launch -q --config_file $$(PYTHIA_CONFIG_$(2)) recipes/pythia.py --size pythia-$(1) --data $$(DATA) --tokenizer $$(TOKENIZER) --micro-batch-size $$(or $$(MICRO),$$(PYTHIA_MICRO_$(2))) --device-memory-gib $$(PYTHIA_MEMORY_$(2)) --output-dir runs/pythia-$(1)-$(2) --resume auto"
 	$$(BIN)/accelerate launch -q --config_file $$(PYTHIA_CONFIG_$(2)) recipes/pythia.py --size pythia-$(1) --data $$(DATA) --tokenizer $$(TOKENIZER) --micro-batch-size $$(or $$(MICRO),$$(PYTHIA_MICRO_$(2))) --device-memory-gib $$(PYTHIA_MEMORY_$(2)) --output-dir runs/pythia-$(1)-$(2) --resume auto
 endef
@@ -90,7 +94,8 @@ pythia-4xa100: pythia-1b-4xa100
 # pythia-14m on 64-token sequences for 4 steps, on the CPU with 2 processes under ZeRO-1 and then ZeRO-3, on a
 # Megatron file and tokenizer written from the embedded corpus (runs/pythia-smoke/data).
 pythia-smoke: setup
-	$(BIN)/python -m cram.data.megatron_sample runs/pythia-smoke/data
+	$(BIN)/python -m cram.data.megatron embedded --output runs/pythia-smoke/data/document --vocab-size 1000 \
+		--max-documents 400
 	for stage in zero1 zero3; do \
 		echo "$(BIN)/accelerate launch -q --config_file accel_configs/cpu-$$stage.yaml recipes/pythia.py --size pythia-14m --data runs/pythia-smoke/data/document --tokenizer runs/pythia-smoke/data/tokenizer --max-steps 4 --seq-len 64 --global-batch-size 8 --micro-batch-size 2 --log-every 1 --output-dir runs/pythia-smoke/$$stage"; \
 		$(BIN)/accelerate launch -q --config_file accel_configs/cpu-$$stage.yaml recipes/pythia.py --size pythia-14m \

@@ -30,7 +30,6 @@ from cram.errors import UserError, run_cli
 from cram.hub import ModelCardFacts
 from cram.models.crammed_bert import PRESETS, CrammedBertConfig, CrammedBertForMaskedLM
 from cram.train.budget import BudgetClock, StepClock, budget_triangle, parse_budget
-from cram.train.loop import train
 from cram.train.optim import build_adamw
 from cram.train.ramp import full_accumulation, ramp_accumulation
 from cram.train.run import RecipeRun, RunOptions, check_run_options
@@ -186,25 +185,17 @@ def main() -> None:
     # Run: until the budget runs out or a scheduler's SIGTERM asks the run to stop.
     def model_card(state: TrainState) -> ModelCardFacts:
         return run.card(
-            state,
-            architecture=f"crammed BERT ({training.preset}), {config.num_hidden_layers} layers × "
-                         f"{config.hidden_size}, {config.num_attention_heads} heads, vocab {config.vocab_size}",
+            state, model=f"crammed BERT ({training.preset})", config=config,
             data=f"{training.data} ({len(data.dataset):,} blocks of {config.max_position_embeddings} tokens)",
             budget=f"{training.max_steps} optimizer steps" if training.max_steps else training.budget,
         )
 
     checkpointer = run.checkpointer(state, model, data.tokenizer, model_card)
     clock = StepClock(training.max_steps) if training.max_steps else BudgetClock(budget_seconds)
-    finished = train(
-        model, optimizer, batches, accelerator, clock, state,
-        peak_lr=training.lr,
-        lr_shape=budget_triangle,
+    finished = run.train(
+        model, optimizer, batches, clock, state, checkpointer, peak_lr=training.lr, lr_shape=budget_triangle,
         accumulation_at=lambda progress: ramp_accumulation(progress, full, training.ramp_end),
-        max_grad_norm=training.max_grad_norm,
-        log_every=implementation.log_every,
-        flops_per_token=flops_per_token,
-        checkpointer=checkpointer,
-        preemption=run.preemption,
+        max_grad_norm=training.max_grad_norm, flops_per_token=flops_per_token,
     )
 
     # Report: checkpoint, summary, curves, model card, Hub.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 # This script's folder must not shadow the `cram` package on the import path (recipes/cram.py lives there).
@@ -33,12 +34,12 @@ from cram.models.pythia import (
     PYTHIA_SIZES,
     check_size,
     cosine_with_warmup,
+    gpt_neox_parameters,
     pythia_checkpoint_steps,
     pythia_config,
     pythia_recipe,
 )
 from cram.train.budget import StepClock
-from cram.train.loop import train
 from cram.train.memory import check_model_fits
 from cram.train.optim import build_adamw
 from cram.train.ramp import full_accumulation
@@ -110,7 +111,7 @@ def main() -> None:
     accelerator = run.accelerator
     accumulation = full_accumulation(global_batch, training.micro_batch_size, accelerator.num_processes)
     configure_deepspeed(accelerator, training.micro_batch_size, global_batch, recipe.max_grad_norm)
-    check_model_fits(config, accelerator, implementation.device_memory_gib, training.size)
+    check_model_fits(gpt_neox_parameters(config), accelerator, implementation.device_memory_gib, training.size)
     set_seed(training.seed)
     enable_tf32()
 
@@ -148,13 +149,9 @@ def main() -> None:
     # Run: the step-based schedule, saving at Pythia's checkpoint steps up to --max-steps.
     def model_card(state: TrainState) -> ModelCardFacts:
         return run.card(
-            state,
-            architecture=f"GPT-NeoX ({training.size}), {config.num_hidden_layers} layers × {config.hidden_size}, "
-                         f"{config.num_attention_heads} heads, vocab {config.vocab_size}",
+            state, model=f"GPT-NeoX ({training.size})", config=config, auto_class="AutoModelForCausalLM",
             data=f"{training.data} ({len(data.sequences):,} sequences of {seq_len + 1} tokens)",
-            budget=f"{max_steps} optimizer steps of {global_batch} × {seq_len} tokens",
-            auto_class="AutoModelForCausalLM",
-            trust_remote_code=False,
+            budget=f"{max_steps} optimizer steps of {global_batch} × {seq_len} tokens", trust_remote_code=False,
         )
 
     checkpoint_steps = pythia_checkpoint_steps(max_steps)
@@ -163,16 +160,11 @@ def main() -> None:
         revision_at=lambda state, saved: f"step{state.optimizer_steps}"
         if state.optimizer_steps in checkpoint_steps else None,
     )
-    finished = train(
-        model, optimizer, batches, accelerator, StepClock(max_steps), state,
-        peak_lr=peak_lr,
-        lr_shape=lambda progress: cosine_with_warmup(progress, recipe.warmup_fraction, recipe.min_lr_ratio),
-        accumulation_at=lambda progress: accumulation,
-        max_grad_norm=recipe.max_grad_norm,
-        log_every=implementation.log_every,
+    schedule = partial(cosine_with_warmup, warmup_fraction=recipe.warmup_fraction, min_ratio=recipe.min_lr_ratio)
+    finished = run.train(
+        model, optimizer, batches, StepClock(max_steps), state, checkpointer, peak_lr=peak_lr, lr_shape=schedule,
+        accumulation_at=lambda progress: accumulation, max_grad_norm=recipe.max_grad_norm,
         flops_per_token=flops_per_token,
-        checkpointer=checkpointer,
-        preemption=run.preemption,
     )
 
     # Report: checkpoint, summary, curves, model card, Hub.

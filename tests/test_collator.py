@@ -1,8 +1,10 @@
 """The MLM collator: an exact count of masked positions, 80/10/10, special tokens spared."""
 
+import datasets
 import torch
 
 from cram.data.collator import MaskedLMCollator, hashed_uniform
+from cram.train.sampling import stream_loader
 
 SPECIALS = [0, 1, 2, 3, 4]
 MASK_ID = 4
@@ -99,3 +101,16 @@ def test_a_sequences_mask_depends_on_the_seed_and_its_serial_alone():
     _, reseeded = serial_batch(torch.arange(16), seed=1)
     for other in (shifted, reseeded):
         assert not torch.equal(other["labels"] != -100, whole["labels"] != -100)
+
+
+def test_the_stream_wraps_around_the_blocks_and_splits_each_micro_step_among_processes():
+    # Serial s is block s mod N: a run longer than one pass starts the prepared order again.
+    blocks = datasets.Dataset.from_dict({"input_ids": [[5 + block] * 8 for block in range(5)]})
+    collator = MaskedLMCollator(MASK_ID, 1000, SPECIALS, mask_fraction=0.0)
+    one = iter(stream_loader(blocks, collator, start=3, micro_batch_size=4, process_index=0, num_processes=1))
+    first, second = next(one)["input_ids"][:, 0].tolist(), next(one)["input_ids"][:, 0].tolist()
+    assert first + second == [5 + serial % 5 for serial in range(3, 11)]
+    # Two processes take the two halves of the same micro-step, so together they read what one process reads.
+    halves = [next(iter(stream_loader(blocks, collator, start=3, micro_batch_size=2, process_index=rank,
+                                      num_processes=2)))["input_ids"][:, 0].tolist() for rank in (0, 1)]
+    assert halves[0] + halves[1] == first

@@ -10,6 +10,7 @@ from cram.errors import UserError
 from cram.models.pythia import (
     PYTHIA_SIZES,
     embedding_parameters,
+    gpt_neox_parameters,
     pythia_checkpoint_steps,
     pythia_config,
     pythia_recipe,
@@ -41,6 +42,7 @@ def test_parameter_counts_equal_the_released_models(name):
         model = GPTNeoXForCausalLM(config)
     total = sum(param.numel() for param in model.parameters())
     assert (total, total - embedding_parameters(config)) == RELEASED[name]
+    assert gpt_neox_parameters(config) == total  # the count the memory check makes without building a model
 
 
 def test_the_architecture_is_gpt_neox_as_released():

@@ -7,6 +7,8 @@ one shifted target), so step k of a 1024-sequence batch reads sequences [1024·k
     tokens = MegatronTokens("pile/document")              # checks .idx against .bin, maps both, reads nothing
     tokens.sequence(i, 2049)                              # numpy view of the i-th run of 2049 tokens
 
+    python -m cram.data.megatron corpus/ --output data/document   # text -> .bin/.idx (+ a trained BPE tokenizer)
+
 `.idx` layout: magic b"MMIDIDX\\x00\\x00", version (uint64 = 1), dtype code (uint8), sequence count L (uint64),
 document count D (uint64), then int32 sizes[L], int64 byte pointers[L], int64 document index[D].
 Memory stays bounded whatever the file size: both files are `numpy.memmap`s and checks run in slices.
@@ -14,16 +16,19 @@ Memory stays bounded whatever the file size: both files are `numpy.memmap`s and 
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from cram.errors import UserError
+from cram.errors import UserError, run_cli
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -198,3 +203,53 @@ def write_megatron(prefix: str | Path, documents: Iterable[Iterable[int]], dtype
         bin_staging.unlink(missing_ok=True)
         idx_staging.unlink(missing_ok=True)
     return prefix
+
+
+def tokenized_documents(texts: Iterable[str], tokenizer: PreTrainedTokenizerBase) -> Iterator[list[int]]:
+    """Each text's tokens followed by the end-of-text token, as GPT-NeoX's preprocessing writes documents."""
+    end_of_text = tokenizer.eos_token_id
+    for text in texts:
+        # The backend tokenizer: documents are longer than any model input, which the wrapper would warn about.
+        ids = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+        yield ids + ([end_of_text] if end_of_text is not None else [])
+
+
+def main(argv: list[str] | None = None) -> None:
+    from cram.data.sources import iter_records, resolve_sources
+    from cram.data.tokenizer import train_byte_level_bpe
+
+    parser = argparse.ArgumentParser(
+        prog="python -m cram.data.megatron",
+        description="Tokenize text into a Megatron .bin/.idx pair (one index entry per document) that "
+                    "recipes/pythia.py trains on; the tokenizer is saved beside it as PREFIX's folder/tokenizer.",
+    )
+    parser.add_argument("sources", nargs="+", help="text files or folders (.txt .jsonl …), or 'embedded'")
+    parser.add_argument("--output", required=True, help="the PREFIX of PREFIX.bin and PREFIX.idx")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub name; unset trains a byte-level BPE")
+    parser.add_argument("--vocab-size", type=int, default=50277, help="vocabulary of the BPE trained when unset")
+    parser.add_argument("--max-documents", type=int, default=0, help="at most this many documents (0: all)")
+    args = parser.parse_args(argv)
+    prefix = split_prefix(args.output)
+    sources = resolve_sources(args.sources)
+
+    def texts() -> Iterator[str]:
+        records = (record for source in sources for record in iter_records(source, "text", "", "train", False, {}))
+        for record in itertools.islice(records, args.max_documents or None):
+            if "text" not in record:
+                raise UserError("the sources hold pre-tokenized input_ids, not text: give text files.")
+            yield record["text"]
+
+    if args.tokenizer is not None:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    else:
+        tokenizer = train_byte_level_bpe(texts(), args.vocab_size, lowercase=False, model_max_length=2048)
+    dtype = np.uint16 if len(tokenizer) <= 2**16 else np.int32
+    write_megatron(prefix, tokenized_documents(texts(), tokenizer), dtype=dtype)
+    tokenizer.save_pretrained(prefix.parent / "tokenizer")
+    tokens = MegatronTokens(prefix)
+    print(f"wrote {tokens.num_sequences:,} documents, {tokens.num_tokens:,} tokens to {prefix}.bin/.idx; "
+          f"tokenizer ({len(tokenizer):,} tokens) in {prefix.parent / 'tokenizer'}")
+
+
+if __name__ == "__main__":
+    run_cli(main)

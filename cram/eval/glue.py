@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from accelerate import PartialState
 from transformers import (
     AutoConfig,
     AutoModelForSequenceClassification,
@@ -43,6 +44,7 @@ from cram.eval.glue_report import (
 )
 from cram.train.runtime import (
     PRECISIONS,
+    check_installed_versions,
     enable_tf32,
     launch_device_type,
     resolve_compile,
@@ -114,6 +116,7 @@ def seeds_for(task: GlueTask, options: GlueOptions) -> list[int]:
 
 def prepare_evaluation(options: GlueOptions, run: GlueRunOptions) -> Evaluation:
     """Check the options, the checkpoint, the tokenizer and every task's data; load the data. No training yet."""
+    check_installed_versions()
     tasks = parse_tasks(options.tasks)
     if options.seeds < 1 or options.large_task_seeds < 1:
         raise UserError("--seeds and --large-task-seeds must be at least 1: each task needs one fine-tuning.")
@@ -121,6 +124,12 @@ def prepare_evaluation(options: GlueOptions, run: GlueRunOptions) -> Evaluation:
         raise UserError(f"--lora-r {options.lora_r} is negative: give a rank such as 8, or 0 for full fine-tuning.")
     if options.glue_dir is not None and not Path(options.glue_dir).is_dir():
         raise UserError(f"the GLUE folder {options.glue_dir} does not exist: give the original GLUE download's folder.")
+    num_processes = PartialState().num_processes
+    if options.batch_size % num_processes:
+        raise UserError(
+            f"--batch-size {options.batch_size} does not divide among {num_processes} processes: give a multiple of "
+            f"{num_processes}."
+        )
     config = load_config(options.model)
     tokenizer = load_tokenizer(options.model, config)
     device_type = launch_device_type()
@@ -162,8 +171,14 @@ def load_tokenizer(model: str, config) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+# These choose which (task, seed) runs happen, not how one goes: changing them reuses the cached runs.
+SELECTION_OPTIONS = ("tasks", "seeds", "large_task_seeds")
+
+
 def options_fingerprint(options: GlueOptions) -> str:
-    return hashlib.sha256(json.dumps(asdict(options), sort_keys=True).encode()).hexdigest()[:16]
+    """A hash of the options that change a single (task, seed) result."""
+    protocol = {name: value for name, value in asdict(options).items() if name not in SELECTION_OPTIONS}
+    return hashlib.sha256(json.dumps(protocol, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def check_cache_owner(options: GlueOptions, output_dir: Path) -> None:
@@ -225,10 +240,6 @@ def tokenized(evaluation: Evaluation, dataset):
 
 def training_arguments(evaluation: Evaluation, task: GlueTask, seed: int, num_processes: int) -> TrainingArguments:
     options = evaluation.options
-    if options.batch_size % num_processes:
-        raise UserError(
-            f"--batch-size {options.batch_size} does not divide among {num_processes} processes: give a multiple of it."
-        )
     return TrainingArguments(
         output_dir=str(Path(evaluation.run.output_dir) / "trainer" / f"{task.name}-seed{seed}"),
         per_device_train_batch_size=options.batch_size // num_processes,
@@ -257,8 +268,6 @@ def training_arguments(evaluation: Evaluation, task: GlueTask, seed: int, num_pr
 def fine_tune(evaluation: Evaluation, data: TaskData, seed: int) -> dict:
     """Fine-tune a fresh copy on the task's training set with `seed`, and score every dev set."""
     task = data.task
-    from accelerate import PartialState
-
     state = PartialState()
     arguments = training_arguments(evaluation, task, seed, state.num_processes)
     torch.manual_seed(seed)  # the new head's initialisation depends on the seed too
@@ -296,8 +305,6 @@ def fine_tune(evaluation: Evaluation, data: TaskData, seed: int) -> dict:
 
 def evaluate(evaluation: Evaluation) -> dict:
     """Run every (task, seed) not already cached, then write the report; returns the summary."""
-    from accelerate import PartialState
-
     state = PartialState()
     if state.device.type == "cuda":
         enable_tf32()

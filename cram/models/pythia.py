@@ -81,6 +81,16 @@ def pythia_config(name: str, **overrides) -> GPTNeoXConfig:
     return GPTNeoXConfig(**settings)
 
 
+def gpt_neox_parameters(config: GPTNeoXConfig) -> int:
+    """The parameters of `GPTNeoXForCausalLM(config)`, counted from the config alone (no model is built, which
+    under a ZeRO-3 launch would already be partitioned): per layer two LayerNorms, QKV and output projections,
+    the MLP, all with biases; a final LayerNorm; untied input and output embeddings."""
+    hidden, intermediate = config.hidden_size, config.intermediate_size
+    layer = 2 * 2 * hidden + (3 * hidden * hidden + 3 * hidden) + (hidden * hidden + hidden) \
+        + (hidden * intermediate + intermediate) + (intermediate * hidden + hidden)
+    return config.num_hidden_layers * layer + 2 * hidden + embedding_parameters(config)
+
+
 def embedding_parameters(config: GPTNeoXConfig) -> int:
     """The input embedding and the (untied) output projection: what "non-embedding" counts leave out."""
     return 2 * config.vocab_size * config.hidden_size

@@ -72,12 +72,15 @@ def train(
     model.train()
     clock.start(state.elapsed, state.optimizer_steps)
     while True:
-        progress, stop, save_now = _agree(
+        progress, stop_signal, save_now = _agree(
             accelerator,
             clock.progress(state.optimizer_steps),
-            preemption is not None and preemption.requested,
+            preemption.signal or 0 if preemption is not None else 0,
             checkpointer is not None and checkpointer.time_due(),
         )
+        stop = stop_signal != 0
+        if stop and preemption is not None and not preemption.requested:
+            preemption.signal = stop_signal  # another process was signalled: report and exit as it does
         if checkpointer is not None and checkpointer.due(state, save_now):
             state.elapsed = clock.elapsed
             checkpointer.save(state)
@@ -106,15 +109,17 @@ def train(
     return not stop
 
 
-def _agree(accelerator: Accelerator, progress: float, stop: bool, save_now: bool) -> tuple[float, bool, bool]:
-    """Rank 0's progress and checkpoint timer, and whether any process was asked to stop, on every process."""
-    readings = torch.tensor([progress, float(stop), float(save_now)], dtype=torch.float64, device=accelerator.device)
+def _agree(accelerator: Accelerator, progress: float, stop_signal: int, save_now: bool) -> tuple[float, int, bool]:
+    """Rank 0's progress and checkpoint timer, and the stop signal any process received (0: none), on every
+    process."""
+    readings = torch.tensor([progress, float(stop_signal), float(save_now)], dtype=torch.float64,
+                            device=accelerator.device)
     if accelerator.num_processes > 1:
         if accelerator.process_index != 0:
             readings[0] = readings[2] = 0.0  # a maximum over processes then yields rank 0's values
         torch.distributed.all_reduce(readings, op=torch.distributed.ReduceOp.MAX)
-    progress, stop, save_now = readings.tolist()
-    return progress, bool(stop), bool(save_now)
+    progress, stop_signal, save_now = readings.tolist()
+    return progress, int(stop_signal), bool(save_now)
 
 
 def _accumulate_gradients(

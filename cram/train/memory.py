@@ -13,18 +13,10 @@ import os
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
-from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from cram.errors import UserError
 
 GIB = 2**30
-
-
-def count_parameters(config: PretrainedConfig) -> int:
-    """The parameters of the causal LM `config` describes, counted on the meta device (nothing allocated)."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(param.numel() for param in model.parameters())
 
 
 def state_bytes_per_parameter(zero_stage: int, offload_optimizer: bool, offload_param: bool,
@@ -61,8 +53,7 @@ def launch_sharding(accelerator: Accelerator) -> tuple[int, bool, bool, str]:
     return 0, False, False, "no sharding"
 
 
-def check_model_fits(config: PretrainedConfig, accelerator: Accelerator, device_memory_gib: float | None,
-                     name: str) -> None:
+def check_model_fits(parameters: int, accelerator: Accelerator, device_memory_gib: float | None, name: str) -> None:
     """Refuse a size whose weights, gradients and Adam states alone exceed the accelerator's memory (the GPU's own,
     or `device_memory_gib`) or, where offloaded, the host's, under the launch's sharding."""
     if device_memory_gib is None and accelerator.device.type == "cuda":
@@ -70,7 +61,6 @@ def check_model_fits(config: PretrainedConfig, accelerator: Accelerator, device_
     stage, offload_optimizer, offload_param, sharding = launch_sharding(accelerator)
     on_device, on_host = state_bytes_per_parameter(stage, offload_optimizer, offload_param,
                                                    accelerator.num_processes)
-    parameters = count_parameters(config)
     planner = "run the planner (recipes/plan.py) to find a configuration that fits"
     if device_memory_gib is not None and parameters * on_device / GIB > device_memory_gib:
         raise UserError(

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from transformers import PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from cram.cli import option
 from cram.errors import UserError
 from cram.hub import BackgroundPusher, ModelCardFacts, check_repo_id, push_checkpoint, write_model_card
+from cram.train.budget import WallClock
 from cram.train.checkpoint import (
     Checkpointer,
     check_same_run,
@@ -31,6 +32,7 @@ from cram.train.checkpoint import (
     read_checkpoint,
 )
 from cram.train.curves import write_training_curves
+from cram.train.loop import train
 from cram.train.optim import optimizer_state_bytes
 from cram.train.preemption import Preemption
 from cram.train.runtime import COLLECTIVE_TIMEOUT_MINUTES, build_accelerator, is_compiled, parameter_counts, shut_down
@@ -106,8 +108,8 @@ class RecipeRun:
         model, optimizer, state = run.prepare(model, optimizer)
         run.start_trackers(training, extras, state)
         checkpointer = run.checkpointer(state, model, tokenizer, card)
-        finished = train(..., checkpointer=checkpointer, preemption=run.preemption)
-        run.finish(state, finished, checkpointer, model, tokenizer, card, ...)
+        finished = run.train(model, optimizer, batches, clock, state, checkpointer, peak_lr=..., ...)
+        run.finish(state, finished, checkpointer, model, optimizer, tokenizer, card, ...)
     """
 
     def __init__(self, project: str, options: RunOptions):
@@ -184,10 +186,13 @@ class RecipeRun:
         accelerator.init_trackers(self.project, config=flatten_config(self.resolved),
                                   init_kwargs={"wandb": {"id": state.run_id, "resume": "allow"}})
 
-    def card(self, state: TrainState, **facts) -> ModelCardFacts:
-        """The model card's facts: the run's own (repository, size, hardware, progress) plus the recipe's."""
+    def card(self, state: TrainState, *, model: str, config: PretrainedConfig, **facts) -> ModelCardFacts:
+        """The model card's facts: the run's own (repository, architecture, size, hardware, progress) plus the
+        recipe's (data, budget, how to load it)."""
         return ModelCardFacts(
             repo_id=self.options.push_to_hub or str(self.output_dir / "final"),
+            architecture=f"{model}, {config.num_hidden_layers} layers × {config.hidden_size}, "
+                         f"{config.num_attention_heads} heads, vocab {config.vocab_size}",
             num_parameters=self.parameters,
             hardware=describe_hardware(self.accelerator),
             tokens_seen=state.tokens,
@@ -228,6 +233,18 @@ class RecipeRun:
         if 0 in also_at and state.optimizer_steps == 0:
             checkpointer.save(state)
         return checkpointer
+
+    def train(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator[dict], clock: WallClock,
+        state: TrainState, checkpointer: Checkpointer, *, peak_lr: float, lr_shape: Callable[[float], float],
+        accumulation_at: Callable[[float], int], max_grad_norm: float, flops_per_token: float,
+    ) -> bool:
+        """`cram.train.loop.train` with this run's accelerator, logging interval, checkpointer and stop signal."""
+        return train(
+            model, optimizer, batches, self.accelerator, clock, state, peak_lr=peak_lr, lr_shape=lr_shape,
+            accumulation_at=accumulation_at, max_grad_norm=max_grad_norm, log_every=self.options.log_every,
+            flops_per_token=flops_per_token, checkpointer=checkpointer, preemption=self.preemption,
+        )
 
     def push_checkpoint_model(
         self, state: TrainState, saved: Path, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,

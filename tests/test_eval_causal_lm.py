@@ -1,0 +1,100 @@
+"""Causal-LM evaluation: held-out loss on a slice of Megatron data, and the real lm-eval harness scoring a local
+task (a YAML over a jsonl file the test writes) on a tiny GPT-NeoX checkpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, GPTNeoXForCausalLM
+
+from cram.data.megatron import MegatronTokens, tokenized_documents, write_megatron
+from cram.data.tokenizer import train_byte_level_bpe
+from cram.errors import UserError
+from cram.eval.causal_lm import heldout_loss, run_lm_eval
+from cram.models.pythia import pythia_config
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, english_texts) -> Path:
+    """A tiny GPT-NeoX with the Pythia architecture (random weights) and a BPE trained on English, saved as a run
+    would save them; plus a Megatron file of held-out text beside it."""
+    folder = tmp_path_factory.mktemp("tiny-neox")
+    tokenizer = train_byte_level_bpe(iter(english_texts), 600, lowercase=False, model_max_length=128)
+    torch.manual_seed(0)
+    config = pythia_config("pythia-14m", vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, intermediate_size=256, max_position_embeddings=128)
+    GPTNeoXForCausalLM(config).save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+    write_megatron(folder / "heldout", tokenized_documents(english_texts[-20:], tokenizer))
+    return folder
+
+
+def test_heldout_loss_is_the_mean_next_token_loss_over_the_slice(checkpoint):
+    model = GPTNeoXForCausalLM.from_pretrained(checkpoint / "model")
+    result = heldout_loss(model, str(checkpoint / "heldout"), first=3, count=5, seq_len=16, batch_size=2,
+                          tokenizer=str(checkpoint / "model"))
+    tokens = MegatronTokens(checkpoint / "heldout")
+    losses = []
+    with torch.no_grad():
+        for index in range(3, 8):
+            sequence = torch.tensor(tokens.sequence(index, 17).astype("int64"))[None]
+            logits = model(input_ids=sequence[:, :-1]).logits[0]
+            losses.append(torch.nn.functional.cross_entropy(logits, sequence[0, 1:], reduction="sum").item())
+    assert result["tokens"] == 5 * 16
+    assert result["loss"] == pytest.approx(sum(losses) / 80, rel=1e-5)
+    assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))
+    assert math.log(600) - 1 < result["loss"] < math.log(600) + 1  # random weights: about ln(vocab)
+
+
+def test_a_slice_outside_the_data_is_refused(checkpoint):
+    model = GPTNeoXForCausalLM.from_pretrained(checkpoint / "model")
+    with pytest.raises(UserError, match="give --first and --count inside it"):
+        heldout_loss(model, str(checkpoint / "heldout"), first=0, count=10**6, seq_len=16,
+                     tokenizer=str(checkpoint / "model"))
+
+
+@pytest.fixture(scope="module")
+def local_task(tmp_path_factory, english_texts) -> Path:
+    """A LAMBADA-style task: predict each sentence's last word, over a local jsonl file."""
+    folder = tmp_path_factory.mktemp("lm-eval-task")
+    sentences = [" ".join(text.split()[:12]) for text in english_texts[:8]]
+    with open(folder / "local.jsonl", "w", encoding="utf-8") as file:
+        for sentence in sentences:
+            file.write(json.dumps({"text": sentence}) + "\n")
+    (folder / "cram_local_lambada.yaml").write_text(
+        "task: cram_local_lambada\n"
+        "dataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {folder / 'local.jsonl'}\n"
+        "output_type: loglikelihood\n"
+        "test_split: test\n"
+        "doc_to_text: \"{{text.split(' ')[:-1]|join(' ')}}\"\n"
+        "doc_to_target: \"{{' '+text.split(' ')[-1]}}\"\n"
+        "metric_list:\n"
+        "  - metric: perplexity\n    aggregation: perplexity\n    higher_is_better: false\n"
+        "  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+    )
+    return folder
+
+
+@pytest.mark.slow
+def test_lm_eval_scores_a_local_task(checkpoint, local_task):
+    scores = run_lm_eval(checkpoint / "model", ["cram_local_lambada"], include_path=local_task, batch_size=4,
+                         device="cpu")
+    task = scores["cram_local_lambada"]
+    assert 0.0 <= task["acc,none"] <= 1.0
+    assert task["perplexity,none"] > 1.0  # an untrained model finds the last words surprising
+
+
+def test_an_unknown_lm_eval_task_is_refused(checkpoint, local_task):
+    with pytest.raises(UserError, match="lm-eval knows no task no_such_task"):
+        run_lm_eval(checkpoint / "model", ["no_such_task"], include_path=local_task)
+
+
+def test_the_checkpoint_tokenizer_round_trips(checkpoint, english_texts):
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint / "model")
+    assert tokenizer.decode(tokenizer(english_texts[0][:200])["input_ids"]) == english_texts[0][:200]
+    assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.convert_tokens_to_ids("<|endoftext|>") == 0
