@@ -65,6 +65,8 @@ class TrainingOptions:
     seq_len: int | None = option(None, "tokens per sequence; unset means 2048")
     global_batch_size: int | None = option(None, "sequences per optimizer step; unset means 1024")
     micro_batch_size: int = option(8, "sequences per forward pass per process")
+    vocab_size: int | None = option(
+        None, "embedding rows; unset means the size's (50304 for most); smaller fits a small local BPE")
     lr: float | None = option(None, "peak learning rate; unset means the size's (3e-4 for pythia-1b)")
     seed: int = option(1234, "random seed (of the initial weights; the data order is the data's)")
 
@@ -90,7 +92,7 @@ def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
     if not Path(training.data).exists() and not Path(training.data + ".bin").exists():
         raise UserError(f"the data path {training.data} does not exist: give an existing file, folder or .bin/.idx "
                         "prefix.")
-    for name in ("max_steps", "seq_len", "global_batch_size"):
+    for name in ("max_steps", "seq_len", "global_batch_size", "vocab_size"):
         value = getattr(training, name)
         if value is not None and value <= 0:
             raise UserError(f"--{name.replace('_', '-')} {value} is not positive: give a positive number.")
@@ -107,6 +109,7 @@ def main() -> None:
     global_batch = training.global_batch_size or recipe.global_batch_size
     peak_lr = training.lr or recipe.peak_lr
     config = pythia_config(training.size, max_position_embeddings=max(seq_len, recipe.seq_len))
+    config.vocab_size = training.vocab_size or config.vocab_size
     run = RecipeRun("pythia", implementation)
     accelerator = run.accelerator
     accumulation = full_accumulation(global_batch, training.micro_batch_size, accelerator.num_processes)
