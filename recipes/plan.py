@@ -32,6 +32,7 @@ from cram.plan.models import (
     CRAMMED_BERT_PRESETS,
     check_model_name,
     count_parameters,
+    is_causal,
     layer_class_name,
     model_config,
     recipe_for,
@@ -96,13 +97,15 @@ def parse_options() -> PlanOptions:
         raise UserError(f"unknown optimizer(s) {', '.join(unknown)}: choose from {', '.join(OPTIMIZERS)}.")
     if options.target is not None:
         parse_target(options.target)
+    if "adamw-8bit" in options.optimizers and is_causal(options.model):
+        raise UserError("recipes/pythia.py trains with 32-bit AdamW only: drop adamw-8bit from --optimizers.")
     return options
 
 
 def recipe_command_parts(model: str) -> tuple[str, list[str]]:
     if model in CRAMMED_BERT_PRESETS:
         return "recipes/cram.py", [f"--preset {CRAMMED_BERT_PRESETS[model]}"]
-    return "recipes/pythia.py", [f"--size {model}"]
+    return "recipes/pythia.py", [f"--size {model}", "--data DATA"]  # DATA: the user's, e.g. the Pile's prefix
 
 
 def main() -> None:
@@ -163,13 +166,15 @@ def main() -> None:
     accelerate_file = write_pair(winning, output_dir, num_processes, use_cpu, layer_class_name(config))
     recipe_script, model_flags = recipe_command_parts(options.model)
     command = launch_command(accelerate_file, recipe_script, model_flags,
-                             recipe_flags(winning, winner["micro_batch"], options.global_batch_size))
+                             recipe_flags(winning, winner["micro_batch"], options.global_batch_size,
+                                          is_causal(options.model)))
     plan["winner"] = {"candidate": winning.name, "accelerate_config": str(accelerate_file), "command": command}
     days = winner["days"]
     print(f"fastest: {winning.name}, {winner['step_time']['median']:.3f} s per step -> {days:.2f} days"
           + (f", ${winner['cost_usd']:,.0f} amortised" if winner.get("cost_usd") is not None else
              " (no price: this hardware is not in the price table)"))
-    print(f"run it with:\n    {command}")
+    print(f"run it with:\n    {command}" + ("\n(DATA: your training data, as recipes/pythia.py --help describes)"
+                                             if is_causal(options.model) else ""))
     if options.target is not None:
         plan["projection"] = report_projection(options.target, winner, steps, device)
     if options.verify:

@@ -14,6 +14,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForMaskedLM, AutoTokenizer
 
@@ -24,6 +25,7 @@ from cram.errors import run_cli
 from cram.models.crammed_bert import CrammedBertForMaskedLM
 from cram.train.budget import budget_triangle
 from cram.train.checkpoint import STATE_FILE, complete_checkpoints
+from cram.train.ramp import full_accumulation, ramp_accumulation
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "cram.py"
@@ -38,7 +40,9 @@ def crammed_run(tmp_path_factory, recipe_env) -> Path:
     command = [
         ACCELERATE, "launch", "-q", "--config_file", REPO / "accel_configs" / "cpu.yaml", RECIPE,
         "--preset", "tiny", "--budget", "30s", "--output-dir", output_dir, "--log-every", "5",
-        "--checkpoint-every", "5", "--keep-checkpoints", "1000",  # states along the way, to resume one of them
+        # States every 6 s, kept, to resume one of them: as many as the machine's speed allows, one per step on a
+        # machine so loaded that a step takes longer.
+        "--checkpoint-every-minutes", "0.1", "--keep-checkpoints", "1000",
     ]
     completed = subprocess.run(command, env=recipe_env, capture_output=True, text=True, timeout=HANG_GUARD)
     assert completed.returncode == 0, completed.stderr[-3000:]
@@ -47,29 +51,37 @@ def crammed_run(tmp_path_factory, recipe_env) -> Path:
 
 
 @pytest.mark.slow
-def test_a_thirty_second_cram_run_lowers_the_loss_by_a_clear_margin(crammed_run):
+def test_a_thirty_second_cram_run_spends_its_budget_and_stops_at_a_step_boundary(crammed_run):
+    # How many steps fit in 30 s depends on the machine's load (about 60 on a quiet 2-core CPU, 2 on one running
+    # twenty other processes), so nothing here depends on it; the loss falling over a step budget is checked by
+    # test_resume.py's 24-step run.
     summary = json.loads((crammed_run / "summary.json").read_text())
-    assert summary["optimizer_steps"] >= 5
+    assert summary["optimizer_steps"] >= 1
     assert summary["first_loss"] > 8.0  # ln(8192) ≈ 9.0 at initialisation
-    # On a quiet 2-core CPU: about 60 steps and 8.9 → 6.7. On a busy one far fewer steps fit in the 30 seconds
-    # (8 steps and 8.9 → 8.6 were seen with two other trainings running), so the margin is kept small.
-    assert summary["final_loss"] < summary["first_loss"] - 0.2
     assert summary["tokens"] == summary["sequences"] * 128
-    # It stops at the first step boundary after the budget runs out: the budget is spent, and the last step
-    # started inside it (at p < 1, where the learning rate is still above 0). How far past 30 s the last step
-    # ends depends on the machine's load, so that is not asserted.
+    # The budget is spent, and the last step started inside it (at p < 1, where the learning rate is above 0).
     assert summary["seconds"] >= 30
     last = summary["history"][-1]
     assert last["step"] == summary["optimizer_steps"] and last["lr"] > 0
 
 
+def progress_window(history: list[dict], index: int, budget: float = 30.0) -> tuple[float, float]:
+    """Bounds on the p at which logged step `index` started: after the previous log row, before its own."""
+    low = history[index - 1]["elapsed"] / budget if index else 0.0
+    return low, min(history[index]["elapsed"] / budget, 1.0)
+
+
 @pytest.mark.slow
 def test_batch_ramps_up_and_learning_rate_follows_the_budget(crammed_run):
+    # Each logged step's batch and lr must be the schedule's values at a p its log times allow.
     history = json.loads((crammed_run / "summary.json").read_text())["history"]
-    batch_sizes = [row["batch_size"] for row in history]
-    assert batch_sizes[0] == 32 and max(batch_sizes) > 32
-    assert batch_sizes == sorted(batch_sizes)
-    assert history[0]["lr"] == pytest.approx(1e-3 * 0.25, rel=0.05)
+    assert history[0]["batch_size"] == 32 and history[0]["lr"] == pytest.approx(1e-3 * 0.25, rel=0.05)
+    full = full_accumulation(256, 32)
+    for index, row in enumerate(history):
+        low, high = progress_window(history, index)
+        assert 32 * ramp_accumulation(low, full) <= row["batch_size"] <= 32 * ramp_accumulation(high, full)
+        possible = [1e-3 * budget_triangle(low + (high - low) * tick / 1000) for tick in range(1001)]
+        assert min(possible) * (1 - 1e-6) <= row["lr"] <= max(possible) * (1 + 1e-6), row["step"]
 
 
 @pytest.mark.slow
@@ -92,11 +104,12 @@ def test_the_checkpoint_is_a_plain_hugging_face_model(crammed_run):
 @pytest.mark.slow
 def test_the_logged_flops_match_an_independent_count_of_the_models_operations(crammed_run):
     # torch's FlopCounterMode counts every matmul and attention product of a real forward and backward pass.
-    model = AutoModelForMaskedLM.from_pretrained(crammed_run / "final")
+    model = AutoModelForMaskedLM.from_pretrained(crammed_run / "final").train()  # as the run trained it
     input_ids = torch.randint(5, model.config.vocab_size, (2, 128), generator=torch.Generator().manual_seed(0))
     batch = MaskedLMCollator(4, model.config.vocab_size, range(5))({"input_ids": input_ids,
                                                                    "serials": torch.arange(2)})
-    with FlopCounterMode(display=False) as counter:
+    # The math backend runs attention as matmuls the counter sees (it skips the CPU flash-attention kernel).
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(**batch).loss.backward()
     counted_per_token = counter.get_total_flops() / input_ids.numel()
     summary = json.loads((crammed_run / "summary.json").read_text())
@@ -110,9 +123,10 @@ def test_a_run_resumed_under_a_wall_clock_budget_continues_its_clock_and_schedul
     # Resume from a state saved part-way through the 30 s: the clock, and so p and the lr, carry on from there.
     output_dir = Path(shutil.copytree(crammed_run, tmp_path / "run"))
     shutil.rmtree(output_dir / "final")
-    saved = complete_checkpoints(output_dir / "checkpoints")
-    middle = saved[(len(saved) - 1) // 2]
-    state = json.loads((middle / STATE_FILE).read_text())["state"]
+    states = {path: json.loads((path / STATE_FILE).read_text())["state"]
+              for path in complete_checkpoints(output_dir / "checkpoints")}
+    middle = next(path for path, state in states.items() if state["elapsed"] < 30)  # the earliest, p < 1
+    state = states[middle]
     command = [
         ACCELERATE, "launch", "-q", "--config_file", REPO / "accel_configs" / "cpu.yaml", RECIPE,
         "--preset", "tiny", "--budget", "30s", "--output-dir", output_dir, "--log-every", "1",

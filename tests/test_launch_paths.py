@@ -22,7 +22,8 @@ RUN = ["--preset", "tiny", "--max-steps", "3", "--target-batch-size", "32", "--m
        "--precision", "fp32", "--log-every", "1"]
 COLLECTIVE_TIMEOUT_MINUTES = 0.5
 PREPARATION_SECONDS = 45  # longer than the collective timeout
-# Inductor fuses and reorders floating-point work: compiled fp32 losses agree with eager ones to about 1e-5.
+# Inductor fuses and reorders floating-point work, so compiled fp32 losses match eager ones only up to rounding;
+# a wrong compile path (a step skipped or doubled, gradients not synchronised) moves them by far more.
 COMPILED_LOSS_TOLERANCE = 1e-3
 
 

@@ -195,3 +195,15 @@ def test_a_projection_is_labelled_and_prints_its_assumptions(plan_recipe, capsys
     assert projection["step_seconds"] == pytest.approx(2_097_152 * 6.5e9 / (0.35 * 8 * 989e12))
     assert len(projection["assumptions"]) == 3 and all(line in printed for line in projection["assumptions"])
     assert projection["cost_usd"] == pytest.approx((8 * 30_000 + 10_500) * projection["days"] / (5 * 365))
+
+
+def test_the_printed_command_uses_each_recipes_own_flags(plan_recipe):
+    from cram.plan.emit import recipe_flags
+
+    zero1_ckpt = Candidate("zero1", checkpointing=True)
+    assert recipe_flags(zero1_ckpt, 16, 1024, causal=True) == [
+        "--micro-batch-size 16", "--global-batch-size 1024", "--activation-checkpointing"]
+    assert recipe_flags(Candidate(optimizer="adamw-8bit"), 32, 8192, causal=False) == [
+        "--micro-batch-size 32", "--target-batch-size 8192", "--optimizer adamw-8bit"]
+    assert plan_recipe.recipe_command_parts("pythia-1b") == ("recipes/pythia.py", ["--size pythia-1b", "--data DATA"])
+    assert plan_recipe.recipe_command_parts("crammed-bert") == ("recipes/cram.py", ["--preset crammed-bert"])

@@ -132,7 +132,7 @@ def bar_chart(model_name: str, summary: dict, path: Path) -> None:
     numbers, average = headline(summary)
     titles = [title for _, _, title in HEADLINE] + ["avg"]
     rows = {f"ours: {model_name}": [*numbers, average], **PUBLISHED}
-    figure, axes = plt.subplots(figsize=(11, 4.5))
+    figure, axes = plt.subplots(figsize=(11, 5))
     width = 0.8 / len(rows)
     positions = np.arange(len(titles))
     for index, (name, values) in enumerate(rows.items()):
@@ -141,7 +141,7 @@ def bar_chart(model_name: str, summary: dict, path: Path) -> None:
     axes.set_xticks(positions, titles)
     axes.set_ylabel("GLUE dev ×100")
     axes.set_title("GLUE dev: ours (median over seeds) against the published rows")
-    axes.legend(fontsize=7, loc="lower left")
+    axes.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=2)  # below: bars stay visible
     axes.grid(axis="y", alpha=0.3)
     figure.tight_layout()
     write_atomically(path, lambda staging: figure.savefig(staging, dpi=120, format="png"))

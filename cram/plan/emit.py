@@ -82,9 +82,10 @@ def write_pair(candidate: Candidate, folder: Path, num_processes: int, use_cpu: 
     return accelerate_file
 
 
-def recipe_flags(candidate: Candidate, micro_batch: int, global_batch_size: int) -> list[str]:
+def recipe_flags(candidate: Candidate, micro_batch: int, global_batch_size: int, causal: bool) -> list[str]:
     """The recipe options that belong to the candidate (the launch config holds the rest)."""
-    flags = [f"--micro-batch-size {micro_batch}", f"--target-batch-size {global_batch_size}"]
+    batch_flag = "--global-batch-size" if causal else "--target-batch-size"  # recipes/pythia.py, recipes/cram.py
+    flags = [f"--micro-batch-size {micro_batch}", f"{batch_flag} {global_batch_size}"]
     if candidate.checkpointing:
         flags.append("--activation-checkpointing")
     if candidate.optimizer == "adamw-8bit":
