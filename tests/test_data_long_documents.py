@@ -1,58 +1,15 @@
-"""Book-length documents: preparation memory stays bounded whatever a document's length, and a long document is
-tokenized exactly as a whole (it is read in windows cut at whitespace)."""
+"""Book-length documents are tokenized exactly as a whole (they are read in windows cut at whitespace).
+Their memory bound is in test_data_memory.py."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pyarrow as pa
-import pytest
 
 from cram.data.pack import DocumentTokenizer
 from cram.data.tokenizer import train_wordpiece
 
-PEAK_SCRIPT = """
-import resource, sys
-from cram.data import DataOptions, prepare
-options = DataOptions(sources=[sys.argv[1]], vocab_size=2000, trash_cutoff=0, tokenizer_sample_chars=1_000_000)
-prepared = prepare(options, output_dir=sys.argv[2], num_proc=1, progress=False)
-print(prepared.stats["tokens"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-"""
 SEP_ID = 3
-
-
-def peak_rss_kb(corpus: Path, output: Path) -> tuple[int, int]:
-    result = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(corpus), str(output)],
-                            capture_output=True, text=True, check=True, timeout=600)
-    tokens, peak = result.stdout.split()[-2:]
-    return int(tokens), int(peak)
-
-
-@pytest.mark.slow
-def test_a_few_book_length_documents_take_no_more_memory_than_the_same_text_in_short_ones(
-    tmp_path, english_texts
-):
-    texts = english_texts * 20  # about 18M characters
-    size = len(texts) // 6
-    books = ["\n\n".join(texts[start:start + size]) for start in range(0, len(texts), size)]
-    short, long = tmp_path / "short.jsonl", tmp_path / "books.jsonl"
-    short.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
-    long.write_text("".join(json.dumps({"text": book}) + "\n" for book in books))
-    short_tokens, short_peak = peak_rss_kb(short, tmp_path / "short-out")
-    long_tokens, long_peak = peak_rss_kb(long, tmp_path / "long-out")
-    longest = max(map(len, books))
-    print(f"peak RSS {short_peak / 1024:.0f} MB for {len(texts)} documents, {long_peak / 1024:.0f} MB for the same "
-          f"text as {len(books)} documents of up to {longest / 1e6:.1f}M characters")
-    assert long_tokens > 0.9 * short_tokens
-    # Parsing one JSON line holds a few copies of its document (about 15 bytes a character here); tokenizing the
-    # books whole, in one batch, held over 20 bytes a character of all of them (measured before the fix: 380 MB
-    # more for three books of 6.2M characters).
-    margin_kb = 25 * longest // 1024
-    assert long_peak < short_peak + margin_kb
 
 
 def test_a_long_document_read_in_windows_gets_the_ids_of_the_whole(english_texts):
