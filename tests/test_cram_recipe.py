@@ -185,6 +185,8 @@ BAD_INPUT = {
     "negative step interval": (["--checkpoint-every", "-1"], "checkpoint intervals cannot be negative"),
     "negative minute interval": (["--checkpoint-every-minutes", "-5"], "checkpoint intervals cannot be negative"),
     "no checkpoint kept": (["--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1"),
+    "zero collective timeout": (["--collective-timeout-minutes", "0"], "--collective-timeout-minutes 0 is not"),
+    "negative collective timeout": (["--collective-timeout-minutes", "-1"], "--collective-timeout-minutes -1 is not"),
     "checkpoint pushes without a repository": (
         ["--push-checkpoints", "true"], "--push-checkpoints needs --push-to-hub"),
     "repository without an owner": (["--push-to-hub", "no-slash"], "no-slash"),

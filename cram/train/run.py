@@ -81,6 +81,10 @@ def check_run_options(options: RunOptions) -> None:
         raise UserError("checkpoint intervals cannot be negative: give 0 to turn one off.")
     if options.keep_checkpoints < 1:
         raise UserError("--keep-checkpoints must be at least 1: the newest state is what a resumed run needs.")
+    if options.collective_timeout_minutes <= 0:
+        raise UserError(
+            f"--collective-timeout-minutes {options.collective_timeout_minutes:g} is not a positive time: give the "
+            "minutes a process may wait for the others, e.g. 30.")
     if options.push_to_hub is not None:
         check_repo_id(options.push_to_hub)
     elif options.push_checkpoints:
