@@ -84,7 +84,7 @@ def _locate(options: DataOptions, cache_dir: str | Path | None,
     cache_root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     sources = resolve_sources(options.sources, cache_root)
     identities = source_identities(options, sources)
-    key = data_cache_key(options, sources)
+    key = _cache_key_of(options, identities)
     return sources, identities, key, Path(output_dir) if output_dir is not None else cache_root / key
 
 
@@ -95,8 +95,12 @@ def source_identities(options: DataOptions, sources: list[Source]) -> list:
 def data_cache_key(options: DataOptions, sources: list[Source]) -> str:
     """The cache key `prepare` files a set under: every option but the source names, which enter resolved
     (as the files' identities), so the same files named two ways share one cache entry."""
+    return _cache_key_of(options, source_identities(options, sources))
+
+
+def _cache_key_of(options: DataOptions, identities: list) -> str:
     resolved = {name: value for name, value in asdict(options).items() if name != "sources"}
-    return cache_key(resolved, source_identities(options, sources))
+    return cache_key(resolved, identities)
 
 
 def is_prepared(path: str | Path) -> bool:
