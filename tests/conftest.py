@@ -10,6 +10,23 @@ from pathlib import Path
 import pytest
 
 from cram.data import embedded_corpus_path
+from cram.train import runtime
+from cram.train.runtime import cpu_has_bf16_units, resolve_precision
+
+
+def pytest_report_header() -> str:
+    units = "has bf16 units" if cpu_has_bf16_units() else "has no bf16 units"
+    return f"cram: this CPU {units}, so --precision auto resolves to {resolve_precision('auto', 'cpu')!r}"
+
+
+@pytest.fixture(params=[False, True], ids=["cpu-without-bf16", "cpu-with-bf16"])
+def cpu_bf16_units(request, monkeypatch) -> bool:
+    """Both answers to "does this CPU have bf16 units?", for in-process tests whose path `--precision auto` decides:
+    CI runs on whichever CPU the session had, so both must pass on any machine (torch emulates bf16 where the
+    units are missing)."""
+    monkeypatch.setattr(runtime, "cpu_has_bf16_units", lambda: request.param)
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    return request.param
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ from typing import TypeVar
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DynamoBackend, InitProcessGroupKwargs, TorchDynamoPlugin, parse_flag_from_env
 from packaging.version import Version
 
@@ -149,6 +150,7 @@ def build_accelerator(
     if deepspeed and device_type == "cpu":
         group["backend"] = "gloo"
     compiled = resolve_compile(compile_choice, device_type)
+    forget_earlier_accelerator()
     return Accelerator(
         cpu=device_type == "cpu" and not deepspeed,
         mixed_precision=resolve_precision(precision, device_type),
@@ -157,6 +159,18 @@ def build_accelerator(
         kwargs_handlers=[InitProcessGroupKwargs(**group)],
         dynamo_plugin=TorchDynamoPlugin(backend="inductor" if compiled else "no"),
     )
+
+
+def forget_earlier_accelerator() -> None:
+    """Clear the process-wide state an earlier Accelerator of this process left behind.
+
+    Accelerate keeps one precision, device and plugin set per process and refuses an Accelerator that asks for
+    others, so a second run in one process (a notebook calling a recipe's `main()` twice, the in-process tests)
+    would fail or silently inherit the first run's precision. The process group, if one is up, is kept: it belongs
+    to the launch, not to the run.
+    """
+    AcceleratorState._reset_state(reset_partial_state=not torch.distributed.is_initialized())
+    GradientState._reset_state()
 
 
 def is_compiled(accelerator: Accelerator) -> bool:
@@ -248,3 +262,4 @@ def shut_down(accelerator: Accelerator) -> None:
     accelerator.free_memory()
     gc.collect()
     accelerator.end_training()
+    forget_earlier_accelerator()

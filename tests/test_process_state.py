@@ -1,0 +1,63 @@
+"""Runs that share one Python process (a notebook calling a recipe's `main()` twice, the in-process tests) must
+not depend on what ran before them or on the CPU: Accelerate keeps one precision per process and refuses another."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+from recipe_import import load_recipe
+
+import cram  # noqa: F401  (importing the package is what quiets bitsandbytes)
+from cram.data.megatron import tokenized_documents, write_megatron
+from cram.data.tokenizer import train_byte_level_bpe
+from cram.train.runtime import build_accelerator, shut_down
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_an_accelerator_of_another_precision_can_follow_in_the_same_process(tmp_path, cpu_bf16_units):
+    first = build_accelerator("fp32", "false", None, str(tmp_path))
+    assert first.mixed_precision == "no"
+    second = build_accelerator("auto", "false", None, str(tmp_path))  # no run ended in between (a refused input)
+    assert second.mixed_precision == ("bf16" if cpu_bf16_units else "no")
+    shut_down(second)
+    assert build_accelerator("fp32", "false", None, str(tmp_path)).mixed_precision == "no"
+
+
+@pytest.fixture
+def tiny_pythia_data(tmp_path, english_texts) -> tuple[Path, Path]:
+    tokenizer = train_byte_level_bpe(iter(english_texts[:200]), 500, lowercase=False, model_max_length=2048)
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    write_megatron(tmp_path / "document", tokenized_documents(english_texts[:40], tokenizer))
+    return tmp_path / "document", tmp_path / "tokenizer"
+
+
+@pytest.mark.parametrize("cpu_bf16_units", [True], ids=["cpu-with-bf16"], indirect=True)
+def test_a_recipe_main_runs_twice_in_one_process_at_auto_precision(
+    tmp_path, monkeypatch, tiny_pythia_data, cpu_bf16_units, recipe_env
+):
+    """The notebook case, and the test order that turned main red on a CPU with bf16 units: an fp32 run first,
+    then a run whose `--precision auto` resolves to bf16 (the fast test above covers both CPUs)."""
+    for name in ("CRAM_CACHE", "TOKENIZERS_PARALLELISM"):
+        monkeypatch.setenv(name, recipe_env[name])
+    recipe = load_recipe(REPO / "recipes" / "pythia.py", "pythia_recipe_twice")
+    prefix, tokenizer = tiny_pythia_data
+    common = ["--size", "pythia-14m", "--vocab-size", "512", "--max-steps", "1", "--seq-len", "16",
+              "--global-batch-size", "2", "--micro-batch-size", "2", "--checkpoint-every-minutes", "0",
+              "--data", prefix, "--tokenizer", tokenizer]
+    for name, precision in (("first", "fp32"), ("second", "auto")):
+        monkeypatch.setattr(sys, "argv", ["pythia.py", *map(str, common), "--precision", precision,
+                                          "--output-dir", str(tmp_path / name)])
+        recipe.main()
+    resolved = json.loads((tmp_path / "second" / "final" / "cram_options.json").read_text())
+    assert resolved["resolved"]["mixed_precision"] == "bf16"
+
+
+def test_importing_cram_quiets_bitsandbytes_cpu_kernel_notice():
+    """On CPUs with AVX512-BF16, importing bitsandbytes (transformers' Trainer imports peft, which imports it) logs
+    a warning about an optional 4-bit kernel; no cram path uses 4-bit, and a refused input must print one line."""
+    assert not logging.getLogger("bitsandbytes.backends.cpu.ops").isEnabledFor(logging.WARNING)
