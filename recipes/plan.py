@@ -25,7 +25,7 @@ from transformers import HfArgumentParser
 
 from cram.cli import option, parse_strictly
 from cram.errors import UserError, run_cli
-from cram.plan.cost import gpu_for_device_name, hardware_price, parse_target, project
+from cram.plan.cost import hardware_price, parse_target, project
 from cram.plan.emit import launch_command, recipe_flags, write_pair
 from cram.plan.memory import PRUNE_MARGIN, Shape, predicted_bytes
 from cram.plan.models import (
@@ -41,6 +41,7 @@ from cram.plan.report import markdown_table, write_reports
 from cram.plan.space import OPTIMIZERS, candidate_space, select_candidates
 from cram.plan.sweep import Setting, add_estimates, launch_probe, sweep
 from cram.train.runtime import cpu_has_bf16_units, launch_device_type
+from cram.train.throughput import gpu_for_device_name
 
 SIZE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
               "gb": 10**9, "tb": 10**12}
