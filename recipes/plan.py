@@ -31,7 +31,6 @@ from cram.plan.memory import PRUNE_MARGIN, Shape, predicted_bytes
 from cram.plan.models import (
     CRAMMED_BERT_PRESETS,
     check_model_name,
-    count_parameters,
     is_causal,
     layer_class_name,
     model_config,
@@ -65,6 +64,11 @@ class PlanOptions:
     verify: bool = option(False, "run the winner again for --verify-steps steps: predicted against observed time")
     verify_steps: int = option(10, "timed optimizer steps of the --verify run")
     target: str | None = option(None, "also project to hardware you do not have, e.g. 8xh100 (from the GPU table)")
+    host_memory_limit: str | None = option(
+        None, "host memory of this node, e.g. 64GiB: candidates whose offloaded state and model loading need more are "
+              "pruned (unset: the available RAM)")
+    price_per_gpu_hour: float | None = option(
+        None, "cloud price of one GPU for one hour in dollars: adds the rental cost beside the amortised one")
 
 
 def parse_size(text: str) -> int:
@@ -132,7 +136,9 @@ def main() -> None:
     recipe = recipe_for(options.model)
     config = model_config(options.model, options.seq_len)
     activation_bytes = 2 if not use_cpu or cpu_has_bf16_units() else 4
-    shape = Shape.of(config, count_parameters(config), options.seq_len, num_processes, use_cpu, activation_bytes)
+    shape = Shape.of(config, options.seq_len, num_processes, use_cpu, activation_bytes)
+    host_limit = (parse_size(options.host_memory_limit) if options.host_memory_limit is not None
+                  else available_memory_bytes())
     space = candidate_space(num_processes, tuple(options.optimizers.split(",")))
     candidates = select_candidates(space, [name for name in options.candidates.split(",") if name])
     check_something_fits(space, shape, limit, num_processes)
@@ -144,7 +150,8 @@ def main() -> None:
     print(f"planning {options.model} ({shape.parameters:,} parameters, {options.global_batch_size} × "
           f"{options.seq_len} tokens per step) on {num_processes} × {device}, {limit / 2**30:.2f} GiB per device; "
           f"{len(candidates)} of {len(space)} candidates")
-    rows = sweep(candidates, setting, shape, limit, output_dir, layer_class_name(config), options.candidate_timeout)
+    rows = sweep(candidates, setting, shape, limit, output_dir, layer_class_name(config), options.candidate_timeout,
+                 host_limit_bytes=host_limit)
     gpu = None if use_cpu else gpu_for_device_name(device)
     price = hardware_price(num_processes, gpu) if gpu else None
     steps = recipe.steps

@@ -80,7 +80,7 @@ def last_error(log_file: Path) -> str:
 
 
 def sweep(candidates: list[Candidate], setting: Setting, shape: Shape, limit_bytes: float, work_dir: Path,
-          layer_class: str, timeout: float, say=print) -> list[dict]:
+          layer_class: str, timeout: float, say=print, host_limit_bytes: float | None = None) -> list[dict]:
     """One row per candidate: measured, from the cache, or infeasible by rule or by the memory model."""
     cache = work_dir / "cache" / setting.key()
     rows = []
@@ -93,7 +93,7 @@ def sweep(candidates: list[Candidate], setting: Setting, shape: Shape, limit_byt
         elif candidate.optimizer == "adamw-8bit" and candidate.offload and candidate.is_deepspeed:
             row.update(status="infeasible", source="rules", reason="DeepSpeed replaces an 8-bit optimizer with its "
                        "32-bit CPU Adam when it offloads the optimizer (see check_optimizer_for_deepspeed)")
-        elif (reason := prune_reason(candidate, shape, limit_bytes)) is not None:
+        elif (reason := prune_reason(candidate, shape, limit_bytes, host_limit_bytes)) is not None:
             row.update(status="infeasible", source="memory model", reason=reason)
         elif cached.exists():
             row.update(json.loads(cached.read_text()), source="cache")
