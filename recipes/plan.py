@@ -171,7 +171,8 @@ def main() -> None:
         raise UserError(f"no candidate fits: see {output_dir / 'plan.md'} for each reason, then give more memory "
                         "(--memory-limit), more devices, or a shorter --seq-len.")
     winning = next(candidate for candidate in candidates if candidate.name == winner["candidate"])
-    accelerate_file = write_pair(winning, output_dir, num_processes, use_cpu, layer_class_name(config))
+    accelerate_file = write_pair(winning, output_dir, num_processes, use_cpu, layer_class_name(config),
+                                 config.hidden_size)
     recipe_script, model_flags = recipe_command_parts(options.model)
     command = launch_command(accelerate_file, recipe_script, model_flags,
                              recipe_flags(winning, winner["micro_batch"], options.global_batch_size,

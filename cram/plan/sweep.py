@@ -100,7 +100,7 @@ def sweep(candidates: list[Candidate], setting: Setting, shape: Shape, limit_byt
         else:
             say(f"[{index}/{len(candidates)}] measuring {candidate.name} ...")
             accelerate_file = write_pair(candidate, cache / "pairs", setting.num_processes, setting.use_cpu,
-                                         layer_class)
+                                         layer_class, shape.hidden)
             request = {
                 "mode": "search", "model": setting.model, "candidate": candidate.to_dict(),
                 "seq_len": setting.seq_len, "global_batch_size": setting.global_batch_size,
