@@ -61,6 +61,7 @@ class PlanOptions:
     warmup_steps: int = option(2, "optimizer steps run before timing (compilation, allocator warm-up)")
     timed_steps: int = option(5, "timed optimizer steps per candidate, for a median and a spread")
     candidate_timeout: float = option(3600.0, "seconds one candidate's launch may take before it counts as hung")
+    retry_failed: bool = option(False, "measure again the candidates whose cached result is a failure")
     verify: bool = option(False, "run the winner again for --verify-steps steps: predicted against observed time")
     verify_steps: int = option(10, "timed optimizer steps of the --verify run")
     target: str | None = option(None, "also project to hardware you do not have, e.g. 8xh100 (from the GPU table)")
@@ -151,7 +152,7 @@ def main() -> None:
           f"{options.seq_len} tokens per step) on {num_processes} × {device}, {limit / 2**30:.2f} GiB per device; "
           f"{len(candidates)} of {len(space)} candidates")
     rows = sweep(candidates, setting, shape, limit, output_dir, layer_class_name(config), options.candidate_timeout,
-                 host_limit_bytes=host_limit)
+                 host_limit_bytes=host_limit, retry_failed=options.retry_failed)
     gpu = None if use_cpu else gpu_for_device_name(device)
     price = hardware_price(num_processes, gpu) if gpu else None
     steps = recipe.steps

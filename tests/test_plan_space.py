@@ -14,7 +14,7 @@ from cram.errors import UserError
 from cram.plan.cost import GPUS, amortised_cost, hardware_price, parse_target, project
 from cram.plan.memory import Shape, predicted_bytes, seed_micro_batch, state_bytes
 from cram.plan.models import count_parameters, model_config
-from cram.plan.search import Probe, largest_dividing, largest_micro_batch
+from cram.plan.search import Probe, divisors, largest_micro_batch
 from cram.plan.space import Candidate, candidate_space, select_candidates
 from cram.plan.sweep import Setting, launch_probe, sweep
 
@@ -69,7 +69,10 @@ def test_search_stops_at_the_ceiling_and_a_seed_near_the_limit_saves_probes():
     largest_micro_batch(linear_memory(1000, 100, 1000 + 300 * 100, from_one), seed=1, ceiling=4096)
     largest_micro_batch(linear_memory(1000, 100, 1000 + 300 * 100, near), seed=256, ceiling=4096)
     assert len(near) < len(from_one)
-    assert largest_dividing(37, 64) == 32 and largest_dividing(0, 64) == 0
+    # Over the divisors of a process's share only: 37 fits, so 32 is the answer, found without probing 33..37.
+    calls = []
+    assert largest_micro_batch(linear_memory(0, 1, 37, calls), seed=4, sizes=divisors(64)).largest == 32
+    assert calls == [4, 8, 16, 32, 64] and divisors(12) == [1, 2, 3, 4, 6, 12]
 
 
 def test_the_seed_is_a_power_of_two_at_or_below_the_predicted_limit():

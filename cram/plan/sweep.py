@@ -3,7 +3,9 @@ candidate, so an interrupted sweep continues), and turn the results into the est
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.metadata
 import json
 import os
 import socket
@@ -12,6 +14,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
+from cram.errors import UserError
 from cram.plan.cost import SECONDS_PER_DAY, amortised_cost, analytic_days
 from cram.plan.emit import write_atomically, write_pair
 from cram.plan.memory import Shape, prune_reason, seed_micro_batch
@@ -37,8 +42,14 @@ class Setting:
     timed_steps: int
 
     def key(self) -> str:
-        text = json.dumps(vars(self), sort_keys=True)
+        """The setting and the library versions: a new torch or DeepSpeed may fit or run what an old one did not."""
+        text = json.dumps({**vars(self), "versions": library_versions()}, sort_keys=True)
         return f"{self.model}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+
+def library_versions() -> dict[str, str]:
+    return {package: importlib.metadata.version(package)
+            for package in ("torch", "transformers", "accelerate", "deepspeed")}
 
 
 def free_port() -> int:
@@ -52,24 +63,80 @@ def child_environment() -> dict[str, str]:
             if name not in LAUNCH_VARIABLES and not name.startswith(("ACCELERATE_", "TORCHELASTIC_"))}
 
 
-def launch_probe(accelerate_file: Path, request: dict, request_file: Path, timeout: float) -> dict:
+def end_process_tree(process: subprocess.Popen) -> None:
+    """End the launcher and every process under it: torchrun starts each worker in a session of its own, so ending
+    the launcher alone would leave them holding device memory for every later candidate."""
+    try:
+        tree = [psutil.Process(process.pid)]
+        tree += tree[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    for member in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.terminate()
+    _, alive = psutil.wait_procs(tree, timeout=10)
+    for member in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.kill()
+    psutil.wait_procs(alive, timeout=10)
+    process.wait()
+
+
+def run_launch(command: list[str], log_file: Path, timeout: float) -> int | None:
+    """Run a launch, its output to `log_file`; its exit status, or None if it ran past `timeout` (then it and all
+    its processes are ended, as they are on Ctrl-C)."""
+    with open(log_file, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_environment(),
+                                   start_new_session=True)
+        try:
+            return process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            end_process_tree(process)
+            return None
+        except BaseException:  # Ctrl-C (or any error here): leave nothing running behind
+            end_process_tree(process)
+            raise
+
+
+def launch_probe(accelerate_file: Path, request: dict, request_file: Path, timeout: float,
+                 module: str = "cram.plan.probe") -> dict:
     """Run one probe launch; its result, or an infeasible row with the reason it gave no result."""
     result_file = Path(request["result"])
     write_atomically(request_file, json.dumps(request, indent=2) + "\n")
     accelerate = Path(sys.executable).with_name("accelerate")
     command = [str(accelerate), "launch", "-q", "--config_file", str(accelerate_file),
-               "--main_process_port", str(free_port()), "-m", "cram.plan.probe", str(request_file)]
+               "--main_process_port", str(free_port()), "-m", module, str(request_file)]
     log_file = result_file.with_suffix(".log")
-    try:
-        with open(log_file, "w") as log:
-            completed = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=child_environment(),
-                                       timeout=timeout, start_new_session=True)
-        returncode = completed.returncode
-    except subprocess.TimeoutExpired:
+    returncode = run_launch(command, log_file, timeout)
+    if returncode is None:
         return {"status": "infeasible", "reason": f"no result within {timeout:g} s (hung or too slow)"}
     if result_file.exists():
         return json.loads(result_file.read_text())
     return {"status": "infeasible", "reason": f"the launch exited with status {returncode}: {last_error(log_file)}"}
+
+
+def search_and_time(request: dict, accelerate_file: Path, request_file: Path, timeout: float,
+                    module: str = "cram.plan.probe") -> dict:
+    """The micro-batch search, driven from here: a launch that crashes or hangs while probing micro-batch m (one
+    rank out of memory, the host's OOM killer) says "m does not fit", and the search goes on in a new launch
+    from what the earlier ones decided."""
+    progress_file = Path(request["result"]).with_suffix(".progress.jsonl")
+    known: dict[int, dict] = {}
+    while True:
+        progress_file.unlink(missing_ok=True)
+        result = launch_probe(accelerate_file, {**request, "known_probes": list(known.values()),
+                                                "progress": str(progress_file)}, request_file, timeout, module)
+        if Path(request["result"]).exists():
+            return result
+        lines = progress_file.read_text().splitlines() if progress_file.exists() else []
+        entries = [json.loads(line) for line in lines]
+        decided = [entry for entry in entries if "fits" in entry]
+        known.update({entry["micro_batch"]: entry for entry in decided})
+        tried = [entry["trying"] for entry in entries if "trying" in entry]
+        if not tried or tried[-1] in known:  # it failed outside a probe: that is the candidate's result
+            return result
+        known[tried[-1]] = {"micro_batch": tried[-1], "fits": False, "peak_bytes": None,
+                            "reason": f"the launch failed at this micro-batch ({result['reason']})"}
 
 
 def last_error(log_file: Path) -> str:
@@ -80,10 +147,12 @@ def last_error(log_file: Path) -> str:
 
 
 def sweep(candidates: list[Candidate], setting: Setting, shape: Shape, limit_bytes: float, work_dir: Path,
-          layer_class: str, timeout: float, say=print, host_limit_bytes: float | None = None) -> list[dict]:
+          layer_class: str, timeout: float, say=print, host_limit_bytes: float | None = None,
+          retry_failed: bool = False) -> list[dict]:
     """One row per candidate: measured, from the cache, or infeasible by rule or by the memory model."""
     cache = work_dir / "cache" / setting.key()
     rows = []
+    offload_ready = False
     for index, candidate in enumerate(candidates, 1):
         row = {"candidate": candidate.name, **candidate.to_dict()}
         cached = cache / f"{candidate.name}.json"
@@ -93,12 +162,19 @@ def sweep(candidates: list[Candidate], setting: Setting, shape: Shape, limit_byt
         elif candidate.optimizer == "adamw-8bit" and candidate.offload and candidate.is_deepspeed:
             row.update(status="infeasible", source="rules", reason="DeepSpeed replaces an 8-bit optimizer with its "
                        "32-bit CPU Adam when it offloads the optimizer (see check_optimizer_for_deepspeed)")
+        elif candidate.optimizer == "adamw-8bit" and candidate.is_fsdp:
+            row.update(status="infeasible", source="rules", reason="bitsandbytes' 8-bit Adam does not step FSDP2's "
+                       "sharded DTensor parameters (bitsandbytes#1633)")
         elif (reason := prune_reason(candidate, shape, limit_bytes, host_limit_bytes)) is not None:
             row.update(status="infeasible", source="memory model", reason=reason)
-        elif cached.exists():
+        elif cached.exists() and not (retry_failed and json.loads(cached.read_text())["status"] != "ok"):
             row.update(json.loads(cached.read_text()), source="cache")
         else:
             say(f"[{index}/{len(candidates)}] measuring {candidate.name} ...")
+            cached.unlink(missing_ok=True)  # a failed result being measured again (--retry-failed)
+            if candidate.is_deepspeed and candidate.offload and not offload_ready:
+                build_offload_optimizer()
+                offload_ready = True
             accelerate_file = write_pair(candidate, cache / "pairs", setting.num_processes, setting.use_cpu,
                                          layer_class, shape.hidden)
             request = {
@@ -110,13 +186,27 @@ def sweep(candidates: list[Candidate], setting: Setting, shape: Shape, limit_byt
                 "precision": "auto", "compile": "auto", "cache_dir": os.environ.get("CRAM_CACHE"),
                 "result": str(cached),
             }
-            result = launch_probe(accelerate_file, request, cache / f"{candidate.name}.request.json", timeout)
+            result = search_and_time(request, accelerate_file, cache / f"{candidate.name}.request.json", timeout)
             if not cached.exists():  # a launch that wrote nothing: its failure is the cached result
                 write_atomically(cached, json.dumps(result, indent=2) + "\n")
             row.update(result, source="measured")
         say(f"    {candidate.name}: {describe_row(row)}")
         rows.append(row)
     return rows
+
+
+def build_offload_optimizer() -> None:
+    """Build (or load the built) DeepSpeed CPU Adam op here, once, before any offload candidate launches: a build
+    killed part-way leaves a lock on which every later launch would wait for its whole --candidate-timeout."""
+    from deepspeed.accelerator import get_accelerator
+    from torch.utils.cpp_extension import _get_build_directory
+
+    builder = get_accelerator().create_op_builder("CPUAdamBuilder")
+    lock = Path(_get_build_directory(builder.name, verbose=False)) / "lock"
+    if lock.exists():
+        raise UserError(f"DeepSpeed's CPU Adam build is locked by {lock}, left by a build that was interrupted (or "
+                        "held by one running now): delete that file once no build runs, then plan again.")
+    builder.load()
 
 
 def describe_row(row: dict) -> str:
