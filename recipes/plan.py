@@ -58,8 +58,12 @@ class PlanOptions:
         None, "sequences per optimizer step; unset means the recipe's (1024 Pythia, 8192 BERT)")
     candidates: str = option("", "comma-separated candidate names to sweep (empty: the whole space)")
     optimizers: str = option("adamw", "optimizer axis, comma-separated: adamw, adamw-8bit")
-    warmup_steps: int = option(2, "optimizer steps run before timing (compilation, allocator warm-up)")
-    timed_steps: int = option(5, "timed optimizer steps per candidate, for a median and a spread")
+    warmup_steps: int = option(3, "optimizer steps run before timing (compilation, offload buffers, allocator)")
+    timed_steps: int = option(5, "timed optimizer steps per candidate at least, for a median and a spread")
+    max_timed_steps: int = option(
+        20, "timed optimizer steps per candidate at most: timing goes on while the spread is above --spread-bound")
+    spread_bound: float = option(
+        0.05, "the spread (half the interquartile range over the median) at which a candidate's timing stops")
     candidate_timeout: float = option(3600.0, "seconds one candidate's launch may take before it counts as hung")
     retry_failed: bool = option(False, "measure again the candidates whose cached result is a failure")
     verify: bool = option(False, "run the winner again for --verify-steps steps: predicted against observed time")
@@ -95,6 +99,8 @@ def parse_options() -> PlanOptions:
     options.global_batch_size = options.global_batch_size or recipe.global_batch_size
     if options.seq_len <= 0 or options.global_batch_size <= 0:
         raise UserError("--seq-len and --global-batch-size must be positive: give e.g. --seq-len 128.")
+    if options.spread_bound < 0 or options.price_per_gpu_hour is not None and options.price_per_gpu_hour < 0:
+        raise UserError("--spread-bound and --price-per-gpu-hour cannot be negative: give e.g. 0.05 and 2.5.")
     if options.warmup_steps < 1 or options.timed_steps < 2 or options.verify_steps < 2:
         raise UserError("give at least 1 warm-up step and 2 timed steps (--warmup-steps, --timed-steps, "
                         "--verify-steps): a spread needs two.")
@@ -145,7 +151,8 @@ def main() -> None:
     check_something_fits(space, shape, limit, num_processes)
     output_dir = Path(options.output_dir)
     setting = Setting(options.model, options.seq_len, options.global_batch_size, num_processes, use_cpu, device,
-                      limit if options.memory_limit is not None else None, options.warmup_steps, options.timed_steps)
+                      limit if options.memory_limit is not None else None, options.warmup_steps, options.timed_steps,
+                      max(options.max_timed_steps, options.timed_steps), options.spread_bound)
 
     # Run: one launch per candidate that may fit.
     print(f"planning {options.model} ({shape.parameters:,} parameters, {options.global_batch_size} × "
@@ -156,7 +163,8 @@ def main() -> None:
     gpu = None if use_cpu else gpu_for_device_name(device)
     price = hardware_price(num_processes, gpu) if gpu else None
     steps = recipe.steps
-    rows = add_estimates(rows, steps, recipe.budget_hours, options.global_batch_size * options.seq_len, price)
+    rows = add_estimates(rows, steps, recipe.budget_hours, options.global_batch_size * options.seq_len, price,
+                         options.price_per_gpu_hour)
 
     # Report: table, chart, the winner's config pair and command, projection, verification.
     shrunk = (options.seq_len, options.global_batch_size) != (recipe.seq_len, recipe.global_batch_size)
@@ -180,9 +188,16 @@ def main() -> None:
                                           is_causal(options.model)))
     plan["winner"] = {"candidate": winning.name, "accelerate_config": str(accelerate_file), "command": command}
     days = winner["days"]
-    print(f"fastest: {winning.name}, {winner['step_time']['median']:.3f} s per step -> {days:.2f} days"
+    tied = [row["candidate"] for row in rows if row.get("tie") and row is not winner]
+    print(f"picked: {winning.name}, {winner['step_time']['median']:.3f} s per step "
+          f"± {winner['step_time']['spread']:.1%} -> {days:.2f} days"
           + (f", ${winner['cost_usd']:,.0f} amortised" if winner.get("cost_usd") is not None else
-             " (no price: this hardware is not in the price table)"))
+             " (no price: this hardware is not in the price table)")
+          + (f", ${winner['cloud_cost_usd']:,.0f} at ${options.price_per_gpu_hour:g} per GPU-hour"
+             if winner.get("cloud_cost_usd") is not None else ""))
+    if tied:
+        print(f"a tie: {', '.join(tied)} time within the noise of {winning.name} (their median ± half the "
+              f"interquartile range overlap); picked the one with the most memory headroom")
     print(f"run it with:\n    {command}" + ("\n(DATA: your training data, as recipes/pythia.py --help describes)"
                                              if is_causal(options.model) else ""))
     if options.target is not None:
@@ -225,7 +240,8 @@ def verify(winner: dict, winning, options: PlanOptions, accelerate_file: Path, o
         "mode": "time", "model": options.model, "candidate": winning.to_dict(), "seq_len": options.seq_len,
         "global_batch_size": options.global_batch_size, "memory_limit_bytes": winner["memory_limit_bytes"],
         "micro_batch": winner["micro_batch"], "warmup_steps": options.warmup_steps,
-        "timed_steps": options.verify_steps, "precision": "auto", "compile": "auto",
+        "timed_steps": options.verify_steps, "max_timed_steps": max(options.max_timed_steps, options.verify_steps),
+        "spread_bound": options.spread_bound, "precision": "auto", "compile": "auto",
         "cache_dir": os.environ.get("CRAM_CACHE"), "result": str(result_file),
     }
     result = launch_probe(accelerate_file, request, output_dir / "verify" / "request.json", options.candidate_timeout)

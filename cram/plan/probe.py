@@ -28,7 +28,7 @@ from cram.data.collator import MaskedLMCollator
 from cram.plan.models import build_model, flops_per_token, is_causal, model_config
 from cram.plan.search import Probe, divisors, largest_micro_batch
 from cram.plan.space import Candidate
-from cram.plan.timing import MemoryGauge, StepTimes, TimingClock
+from cram.plan.timing import MemoryGauge, SettlingClock, TimingClock
 from cram.train.loop import train
 from cram.train.optim import build_adamw
 from cram.train.runtime import (
@@ -164,17 +164,19 @@ def probe_once(run: CandidateRun, gauge: MemoryGauge, micro_batch: int, limit_by
     return Probe(micro_batch, True, peak)
 
 
-def time_steps(run: CandidateRun, gauge: MemoryGauge, micro_batch: int, warmup: int, timed: int) -> dict:
-    """Warm-up plus timed optimizer steps at the recipe's accumulation; step times agreed as rank 0's marks."""
+def time_steps(run: CandidateRun, gauge: MemoryGauge, micro_batch: int, warmup: int, timed: int,
+               max_timed: int | None = None, spread_bound: float = 0.0) -> dict:
+    """Warm-up plus timed optimizer steps at the recipe's accumulation, until the step times settle within
+    `spread_bound` (at least `timed` of them, at most `max_timed`); step times agreed as rank 0's marks."""
     per_process = run.global_batch_size // run.accelerator.num_processes
     accumulation = per_process // micro_batch
     gauge.reset()
-    clock = TimingClock(warmup + timed, run.accelerator.device)
+    clock = SettlingClock(warmup, timed, max_timed or timed, spread_bound, run.accelerator.device)
     try:
         run.steps(micro_batch, accumulation, clock)
     finally:
         run.release()
-    times = StepTimes(clock.step_seconds()[warmup:])
+    times = clock.timed()
     (peak,) = agree_max(run.accelerator, [gauge.peak()])
     tokens_per_second = run.global_batch_size * run.seq_len / times.median
     per_token = flops_per_token(run.config, run.seq_len)
@@ -211,7 +213,8 @@ def run_request(request: dict, accelerator: Accelerator) -> dict:
     per_process = request["global_batch_size"] // accelerator.num_processes
     if request["mode"] == "time":
         return {**facts, "status": "ok", **time_steps(run, gauge, request["micro_batch"], request["warmup_steps"],
-                                                      request["timed_steps"])}
+                                                      request["timed_steps"], request.get("max_timed_steps"),
+                                                      request.get("spread_bound", 0.0))}
     known = {probe["micro_batch"]: Probe(**probe) for probe in request.get("known_probes", [])}
 
     def try_size(size: int) -> Probe:
@@ -227,7 +230,8 @@ def run_request(request: dict, accelerator: Accelerator) -> dict:
     if micro_batch == 0:
         return {**facts, "status": "infeasible", "reason": f"micro-batch 1 does not fit: {search.failure}",
                 "probes": probes}
-    timing = time_steps(run, gauge, micro_batch, request["warmup_steps"], request["timed_steps"])
+    timing = time_steps(run, gauge, micro_batch, request["warmup_steps"], request["timed_steps"],
+                        request.get("max_timed_steps"), request.get("spread_bound", 0.0))
     return {**facts, "status": "ok", "largest_fitting": search.largest, "probes": probes, **timing}
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 
 from cram.errors import UserError
-from cram.plan.cost import SECONDS_PER_DAY, amortised_cost, analytic_days
+from cram.plan.cost import SECONDS_PER_DAY, amortised_cost, analytic_days, cloud_cost
 from cram.plan.emit import write_atomically, write_pair
 from cram.plan.memory import Shape, prune_reason, seed_micro_batch
 from cram.plan.space import Candidate
@@ -40,6 +40,8 @@ class Setting:
     memory_limit_bytes: int | None
     warmup_steps: int
     timed_steps: int
+    max_timed_steps: int | None = None  # more timed steps while the spread is above spread_bound
+    spread_bound: float = 0.0
 
     def key(self) -> str:
         """The setting and the library versions: a new torch or DeepSpeed may fit or run what an old one did not."""
@@ -183,6 +185,7 @@ def sweep(candidates: list[Candidate], setting: Setting, shape: Shape, limit_byt
                 "memory_limit_bytes": setting.memory_limit_bytes,
                 "seed_micro_batch": seed_micro_batch(candidate, shape, limit_bytes),
                 "warmup_steps": setting.warmup_steps, "timed_steps": setting.timed_steps,
+                "max_timed_steps": setting.max_timed_steps, "spread_bound": setting.spread_bound,
                 "precision": "auto", "compile": "auto", "cache_dir": os.environ.get("CRAM_CACHE"),
                 "result": str(cached),
             }
@@ -218,8 +221,8 @@ def describe_row(row: dict) -> str:
 
 
 def add_estimates(rows: list[dict], steps: int | None, budget_hours: float | None, tokens_per_step: int,
-                  hardware_price: float | None) -> list[dict]:
-    """Days and cost of the full run for every feasible row, with the FLOP-based estimate; sorted fastest first."""
+                  hardware_price: float | None, price_per_gpu_hour: float | None = None) -> list[dict]:
+    """Days and cost of the full run for every feasible row, with the FLOP-based estimate; ranked by `rank`."""
     for row in rows:
         if row["status"] != "ok":
             continue
@@ -232,10 +235,36 @@ def add_estimates(rows: list[dict], steps: int | None, budget_hours: float | Non
             row["steps_in_budget"] = int(budget_hours * 3600 / step_seconds)
             total_tokens = row["steps_in_budget"] * tokens_per_step
         row["cost_usd"] = amortised_cost(hardware_price, row["days"])
+        row["cloud_cost_usd"] = cloud_cost(price_per_gpu_hour, row["num_processes"], row["days"])
         if row.get("peak_flops_per_device"):
             analytic = analytic_days(total_tokens, row["flops_per_token"], row["num_processes"],
                                      row["peak_flops_per_device"])
             row["analytic_days"] = analytic
             row["measured_over_analytic"] = (total_tokens / tokens_per_step * step_seconds / SECONDS_PER_DAY) / analytic
+    return rank(rows)
+
+
+def interval(row: dict) -> tuple[float, float]:
+    """The step time's median ± its spread (half the interquartile range)."""
+    time = row["step_time"]
+    return time["median"] * (1 - time["spread"]), time["median"] * (1 + time["spread"])
+
+
+def headroom(row: dict) -> float:
+    """The fraction of the memory limit the candidate left free at its micro-batch."""
+    return 1 - row["peak_memory_bytes"] / row["memory_limit_bytes"]
+
+
+def rank(rows: list[dict]) -> list[dict]:
+    """Feasible rows first. The candidates whose step-time interval overlaps the fastest's are a tie (the noise
+    could order them either way): they come first, the one with the most memory headroom picked; then the rest,
+    fastest first; then the infeasible rows."""
     feasible = sorted((row for row in rows if row["status"] == "ok"), key=lambda row: row["step_time"]["median"])
+    if feasible:
+        fastest_high = interval(feasible[0])[1]
+        tied = [row for row in feasible if interval(row)[0] <= fastest_high]
+        for row in feasible:
+            row["tie"] = len(tied) > 1 and row in tied
+        tied.sort(key=headroom, reverse=True)
+        feasible = tied + [row for row in feasible if row not in tied]
     return feasible + [row for row in rows if row["status"] != "ok"]
