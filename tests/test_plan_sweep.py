@@ -84,8 +84,12 @@ def test_a_stale_build_lock_is_reported_in_one_sentence(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     lock = tmp_path / "cpu_adam" / "lock"
     lock.parent.mkdir()
-    lock.touch()  # what a build killed part-way leaves
-    with pytest.raises(UserError, match=r"^DeepSpeed's CPU Adam build is locked by .*lock, left by a build") as error:
+    lock.touch()  # what a build killed part-way leaves, untouched since
+    an_hour_ago = time.time() - 3600
+    for path in (lock, lock.parent):
+        os.utime(path, (an_hour_ago, an_hour_ago))
+    stale = r"^DeepSpeed's CPU Adam build is locked by .*lock, left by a build that was interrupted"
+    with pytest.raises(UserError, match=stale) as error:
         build_offload_optimizer()
     assert str(lock) in str(error.value) and str(error.value).count(". ") == 0
 

@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,17 +199,28 @@ def sweep(candidates: list[Candidate], setting: Setting, shape: Shape, limit_byt
     return rows
 
 
-def build_offload_optimizer() -> None:
+# A build that changed nothing in its folder for this long while holding the lock was interrupted.
+STALE_BUILD_SECONDS = 300.0
+
+
+def build_offload_optimizer(stale_after: float = STALE_BUILD_SECONDS) -> None:
     """Build (or load the built) DeepSpeed CPU Adam op here, once, before any offload candidate launches: a build
-    killed part-way leaves a lock on which every later launch would wait for its whole --candidate-timeout."""
+    killed part-way leaves a lock on which every later launch would wait for its whole --candidate-timeout. A
+    build running elsewhere (its files still changing) is waited for."""
     from deepspeed.accelerator import get_accelerator
     from torch.utils.cpp_extension import _get_build_directory
 
     builder = get_accelerator().create_op_builder("CPUAdamBuilder")
-    lock = Path(_get_build_directory(builder.name, verbose=False)) / "lock"
-    if lock.exists():
-        raise UserError(f"DeepSpeed's CPU Adam build is locked by {lock}, left by a build that was interrupted (or "
-                        "held by one running now): delete that file once no build runs, then plan again.")
+    folder = Path(_get_build_directory(builder.name, verbose=False))
+    lock = folder / "lock"
+    while lock.exists():
+        with contextlib.suppress(FileNotFoundError):
+            last_change = max(path.stat().st_mtime for path in [folder, *folder.iterdir()])
+            if time.time() - last_change > stale_after:
+                raise UserError(
+                    f"DeepSpeed's CPU Adam build is locked by {lock}, left by a build that was interrupted (nothing "
+                    f"there changed for {stale_after / 60:g} minutes): delete that file, then plan again.")
+        time.sleep(5)
     builder.load()
 
 
