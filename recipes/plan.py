@@ -42,6 +42,9 @@ from cram.plan.sweep import Setting, add_estimates, launch_probe, sweep
 from cram.train.runtime import cpu_has_bf16_units, launch_device_type
 from cram.train.throughput import gpu_for_device_name
 
+# What `days` does not include yet: labelled in the table and the printed estimate.
+LEFT_OUT_OF_DAYS = ("checkpoint writes", "data loading from disk with the recipe's workers (the probe reads an "
+                    "in-memory corpus)", "crammed BERT's batch ramp (only the final batch is timed)")
 SIZE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
               "gb": 10**9, "tb": 10**12}
 
@@ -172,7 +175,7 @@ def main() -> None:
              f"{f'{steps:,} steps' if steps else f'{recipe.budget_hours:g} h budget'}"
              f"{' (smoke shape: --seq-len/--global-batch-size changed)' if shrunk else ''}")
     plan = {"title": title, "setting": vars(setting), "memory_limit_bytes": limit, "parameters": shape.parameters,
-            "hardware_price_usd": price, "rows": rows}
+            "hardware_price_usd": price, "rows": rows, "left_out_of_days": list(LEFT_OUT_OF_DAYS)}
     print("\n" + markdown_table(rows))
     winner = next((row for row in rows if row["status"] == "ok"), None)
     if winner is None:
@@ -195,6 +198,7 @@ def main() -> None:
              " (no price: this hardware is not in the price table)")
           + (f", ${winner['cloud_cost_usd']:,.0f} at ${options.price_per_gpu_hour:g} per GPU-hour"
              if winner.get("cloud_cost_usd") is not None else ""))
+    print(f"days leave out: {'; '.join(LEFT_OUT_OF_DAYS)}")
     if tied:
         print(f"a tie: {', '.join(tied)} time within the noise of {winning.name} (their median ± half the "
               f"interquartile range overlap); picked the one with the most memory headroom")

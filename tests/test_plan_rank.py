@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cram.plan import timing
-from cram.plan.report import markdown_table
+from cram.plan.report import markdown_table, write_reports
 from cram.plan.sweep import add_estimates
 from cram.plan.timing import SettlingClock, StepTimes
 
@@ -70,3 +70,10 @@ def test_timing_stops_once_settled_and_goes_on_while_noisy(monkeypatch):
     assert run(steady) == 4 and len(steady.timed().seconds) == 3  # 1 warm-up + 3 timed steps
     noisy = scripted_clock(monkeypatch, [9.0, 1.0, 2.0, 0.5, 3.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
     assert run(noisy) > 4 and noisy.timed().spread <= 0.05
+
+
+def test_the_written_plan_says_what_its_days_leave_out(tmp_path):
+    rows = add_estimates([measured("zero1", 1.0, 0.01, 1.0)], steps=10, budget_hours=None, tokens_per_step=1,
+                         hardware_price=None)
+    write_reports({"title": "t", "rows": rows, "left_out_of_days": ["checkpoint writes"]}, tmp_path)
+    assert (tmp_path / "plan.md").read_text().endswith("Left out of the days:\n- checkpoint writes\n")

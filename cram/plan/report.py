@@ -76,5 +76,7 @@ def write_chart(rows: list[dict], path: Path, title: str) -> None:
 
 def write_reports(plan: dict, output_dir: Path) -> None:
     write_atomically(output_dir / "plan.json", json.dumps(plan, indent=2) + "\n")
-    write_atomically(output_dir / "plan.md", f"# {plan['title']}\n\n{markdown_table(plan['rows'])}")
+    left_out = "".join(f"- {item}\n" for item in plan.get("left_out_of_days", []))
+    write_atomically(output_dir / "plan.md", f"# {plan['title']}\n\n{markdown_table(plan['rows'])}"
+                     + (f"\nLeft out of the days:\n{left_out}" if left_out else ""))
     write_chart(plan["rows"], output_dir / "plan.png", plan["title"])
