@@ -101,8 +101,12 @@ def test_probes_in_one_process_start_from_a_fresh_compiler_state():
     compiled(torch.ones(2))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # cached while nothing resets it
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
-    CandidateRun.release(SimpleNamespace(accelerator=Accelerator(cpu=True)))
+    try:
+        CandidateRun.release(SimpleNamespace(accelerator=Accelerator(cpu=True)))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)  # leave no CPU-only state to later tests
     compiled(torch.ones(2))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
 
