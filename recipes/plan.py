@@ -25,13 +25,12 @@ from transformers import HfArgumentParser
 
 from cram.cli import option, parse_strictly
 from cram.errors import UserError, run_cli
-from cram.plan.cost import gpu_for_device_name, hardware_price, parse_target, project
+from cram.plan.cost import hardware_price, parse_target, project
 from cram.plan.emit import launch_command, recipe_flags, write_pair
 from cram.plan.memory import PRUNE_MARGIN, Shape, predicted_bytes
 from cram.plan.models import (
     CRAMMED_BERT_PRESETS,
     check_model_name,
-    count_parameters,
     is_causal,
     layer_class_name,
     model_config,
@@ -41,7 +40,11 @@ from cram.plan.report import markdown_table, write_reports
 from cram.plan.space import OPTIMIZERS, candidate_space, select_candidates
 from cram.plan.sweep import Setting, add_estimates, launch_probe, sweep
 from cram.train.runtime import cpu_has_bf16_units, launch_device_type
+from cram.train.throughput import gpu_for_device_name
 
+# What `days` does not include yet: labelled in the table and the printed estimate.
+LEFT_OUT_OF_DAYS = ("checkpoint writes", "data loading from disk with the recipe's workers (the probe reads an "
+                    "in-memory corpus)", "crammed BERT's batch ramp (only the final batch is timed)")
 SIZE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
               "gb": 10**9, "tb": 10**12}
 
@@ -58,12 +61,22 @@ class PlanOptions:
         None, "sequences per optimizer step; unset means the recipe's (1024 Pythia, 8192 BERT)")
     candidates: str = option("", "comma-separated candidate names to sweep (empty: the whole space)")
     optimizers: str = option("adamw", "optimizer axis, comma-separated: adamw, adamw-8bit")
-    warmup_steps: int = option(2, "optimizer steps run before timing (compilation, allocator warm-up)")
-    timed_steps: int = option(5, "timed optimizer steps per candidate, for a median and a spread")
+    warmup_steps: int = option(3, "optimizer steps run before timing (compilation, offload buffers, allocator)")
+    timed_steps: int = option(5, "timed optimizer steps per candidate at least, for a median and a spread")
+    max_timed_steps: int = option(
+        20, "timed optimizer steps per candidate at most: timing goes on while the spread is above --spread-bound")
+    spread_bound: float = option(
+        0.05, "the spread (half the interquartile range over the median) at which a candidate's timing stops")
     candidate_timeout: float = option(3600.0, "seconds one candidate's launch may take before it counts as hung")
+    retry_failed: bool = option(False, "measure again the candidates whose cached result is a failure")
     verify: bool = option(False, "run the winner again for --verify-steps steps: predicted against observed time")
     verify_steps: int = option(10, "timed optimizer steps of the --verify run")
     target: str | None = option(None, "also project to hardware you do not have, e.g. 8xh100 (from the GPU table)")
+    host_memory_limit: str | None = option(
+        None, "host memory of this node, e.g. 64GiB: candidates whose offloaded state and model loading need more are "
+              "pruned (unset: the available RAM)")
+    price_per_gpu_hour: float | None = option(
+        None, "cloud price of one GPU for one hour in dollars: adds the rental cost beside the amortised one")
 
 
 def parse_size(text: str) -> int:
@@ -89,6 +102,8 @@ def parse_options() -> PlanOptions:
     options.global_batch_size = options.global_batch_size or recipe.global_batch_size
     if options.seq_len <= 0 or options.global_batch_size <= 0:
         raise UserError("--seq-len and --global-batch-size must be positive: give e.g. --seq-len 128.")
+    if options.spread_bound < 0 or options.price_per_gpu_hour is not None and options.price_per_gpu_hour < 0:
+        raise UserError("--spread-bound and --price-per-gpu-hour cannot be negative: give e.g. 0.05 and 2.5.")
     if options.warmup_steps < 1 or options.timed_steps < 2 or options.verify_steps < 2:
         raise UserError("give at least 1 warm-up step and 2 timed steps (--warmup-steps, --timed-steps, "
                         "--verify-steps): a spread needs two.")
@@ -131,23 +146,28 @@ def main() -> None:
     recipe = recipe_for(options.model)
     config = model_config(options.model, options.seq_len)
     activation_bytes = 2 if not use_cpu or cpu_has_bf16_units() else 4
-    shape = Shape.of(config, count_parameters(config), options.seq_len, num_processes, use_cpu, activation_bytes)
+    shape = Shape.of(config, options.seq_len, num_processes, use_cpu, activation_bytes)
+    host_limit = (parse_size(options.host_memory_limit) if options.host_memory_limit is not None
+                  else available_memory_bytes())
     space = candidate_space(num_processes, tuple(options.optimizers.split(",")))
     candidates = select_candidates(space, [name for name in options.candidates.split(",") if name])
     check_something_fits(space, shape, limit, num_processes)
     output_dir = Path(options.output_dir)
     setting = Setting(options.model, options.seq_len, options.global_batch_size, num_processes, use_cpu, device,
-                      limit if options.memory_limit is not None else None, options.warmup_steps, options.timed_steps)
+                      limit if options.memory_limit is not None else None, options.warmup_steps, options.timed_steps,
+                      max(options.max_timed_steps, options.timed_steps), options.spread_bound)
 
     # Run: one launch per candidate that may fit.
     print(f"planning {options.model} ({shape.parameters:,} parameters, {options.global_batch_size} × "
           f"{options.seq_len} tokens per step) on {num_processes} × {device}, {limit / 2**30:.2f} GiB per device; "
           f"{len(candidates)} of {len(space)} candidates")
-    rows = sweep(candidates, setting, shape, limit, output_dir, layer_class_name(config), options.candidate_timeout)
+    rows = sweep(candidates, setting, shape, limit, output_dir, layer_class_name(config), options.candidate_timeout,
+                 host_limit_bytes=host_limit, retry_failed=options.retry_failed)
     gpu = None if use_cpu else gpu_for_device_name(device)
     price = hardware_price(num_processes, gpu) if gpu else None
     steps = recipe.steps
-    rows = add_estimates(rows, steps, recipe.budget_hours, options.global_batch_size * options.seq_len, price)
+    rows = add_estimates(rows, steps, recipe.budget_hours, options.global_batch_size * options.seq_len, price,
+                         options.price_per_gpu_hour)
 
     # Report: table, chart, the winner's config pair and command, projection, verification.
     shrunk = (options.seq_len, options.global_batch_size) != (recipe.seq_len, recipe.global_batch_size)
@@ -155,7 +175,7 @@ def main() -> None:
              f"{f'{steps:,} steps' if steps else f'{recipe.budget_hours:g} h budget'}"
              f"{' (smoke shape: --seq-len/--global-batch-size changed)' if shrunk else ''}")
     plan = {"title": title, "setting": vars(setting), "memory_limit_bytes": limit, "parameters": shape.parameters,
-            "hardware_price_usd": price, "rows": rows}
+            "hardware_price_usd": price, "rows": rows, "left_out_of_days": list(LEFT_OUT_OF_DAYS)}
     print("\n" + markdown_table(rows))
     winner = next((row for row in rows if row["status"] == "ok"), None)
     if winner is None:
@@ -163,16 +183,25 @@ def main() -> None:
         raise UserError(f"no candidate fits: see {output_dir / 'plan.md'} for each reason, then give more memory "
                         "(--memory-limit), more devices, or a shorter --seq-len.")
     winning = next(candidate for candidate in candidates if candidate.name == winner["candidate"])
-    accelerate_file = write_pair(winning, output_dir, num_processes, use_cpu, layer_class_name(config))
+    accelerate_file = write_pair(winning, output_dir, num_processes, use_cpu, layer_class_name(config),
+                                 config.hidden_size)
     recipe_script, model_flags = recipe_command_parts(options.model)
     command = launch_command(accelerate_file, recipe_script, model_flags,
                              recipe_flags(winning, winner["micro_batch"], options.global_batch_size,
                                           is_causal(options.model)))
     plan["winner"] = {"candidate": winning.name, "accelerate_config": str(accelerate_file), "command": command}
     days = winner["days"]
-    print(f"fastest: {winning.name}, {winner['step_time']['median']:.3f} s per step -> {days:.2f} days"
+    tied = [row["candidate"] for row in rows if row.get("tie") and row is not winner]
+    print(f"picked: {winning.name}, {winner['step_time']['median']:.3f} s per step "
+          f"± {winner['step_time']['spread']:.1%} -> {days:.2f} days"
           + (f", ${winner['cost_usd']:,.0f} amortised" if winner.get("cost_usd") is not None else
-             " (no price: this hardware is not in the price table)"))
+             " (no price: this hardware is not in the price table)")
+          + (f", ${winner['cloud_cost_usd']:,.0f} at ${options.price_per_gpu_hour:g} per GPU-hour"
+             if winner.get("cloud_cost_usd") is not None else ""))
+    print(f"days leave out: {'; '.join(LEFT_OUT_OF_DAYS)}")
+    if tied:
+        print(f"a tie: {', '.join(tied)} time within the noise of {winning.name} (their median ± half the "
+              f"interquartile range overlap); picked the one with the most memory headroom")
     print(f"run it with:\n    {command}" + ("\n(DATA: your training data, as recipes/pythia.py --help describes)"
                                              if is_causal(options.model) else ""))
     if options.target is not None:
@@ -215,7 +244,8 @@ def verify(winner: dict, winning, options: PlanOptions, accelerate_file: Path, o
         "mode": "time", "model": options.model, "candidate": winning.to_dict(), "seq_len": options.seq_len,
         "global_batch_size": options.global_batch_size, "memory_limit_bytes": winner["memory_limit_bytes"],
         "micro_batch": winner["micro_batch"], "warmup_steps": options.warmup_steps,
-        "timed_steps": options.verify_steps, "precision": "auto", "compile": "auto",
+        "timed_steps": options.verify_steps, "max_timed_steps": max(options.max_timed_steps, options.verify_steps),
+        "spread_bound": options.spread_bound, "precision": "auto", "compile": "auto",
         "cache_dir": os.environ.get("CRAM_CACHE"), "result": str(result_file),
     }
     result = launch_probe(accelerate_file, request, output_dir / "verify" / "request.json", options.candidate_timeout)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from cram.errors import UserError
+from cram.plan.cost import parse_target
 from cram.train.budget import StepClock
 from cram.train.loop import Meter
 from cram.train.runtime import (
@@ -23,7 +24,7 @@ from cram.train.runtime import (
     resolve_precision,
 )
 from cram.train.state import TrainState
-from cram.train.throughput import peak_flops, peak_flops_for_name
+from cram.train.throughput import GPUS, gpu_for_device_name, peak_flops, peak_flops_for_name
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,14 +63,28 @@ def test_auto_compile_follows_tritons_support(gpu):
 
 @pytest.mark.parametrize(
     "name, tflops",
-    [("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A100 80GB PCIe", 312), ("NVIDIA RTX A1000", None),
-     ("NVIDIA RTX A1000 Laptop GPU", None), ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756),
-     ("NVIDIA H100 NVL", 835), ("NVIDIA H200", 989), ("NVIDIA H200 NVL", 835), ("NVIDIA GH200 480GB", None),
-     ("NVIDIA L4", 121), ("NVIDIA L40S", 362), ("NVIDIA L40", None), ("NVIDIA GeForce RTX 4090", 165),
-     ("NVIDIA GeForce RTX 4090 D", 165), ("NVIDIA RTX A6000", 154.8), ("Tesla T4", None), ("NVIDIA A10G", None)],
+    [("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A100-SXM4-40GB", 312), ("NVIDIA A100 80GB PCIe", 312),
+     ("NVIDIA A100-PCIE-40GB", 312), ("NVIDIA RTX A1000", None), ("NVIDIA RTX A1000 Laptop GPU", None),
+     ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835), ("NVIDIA H200", 989),
+     ("NVIDIA H200 NVL", 835), ("NVIDIA GH200 480GB", None), ("NVIDIA L4", 121), ("NVIDIA L40S", 362.05),
+     ("NVIDIA L40", 181.05), ("NVIDIA GeForce RTX 4090", 165.2),
+     # Variants with fewer SMs or another chip have no datasheet figure of their own: no peak, not the 4090's.
+     ("NVIDIA GeForce RTX 4090 D", None), ("NVIDIA GeForce RTX 4090 Laptop GPU", None),
+     ("NVIDIA GeForce RTX 3090", 71), ("NVIDIA GeForce RTX 3090 Ti", None), ("NVIDIA RTX A6000", 154.8),
+     ("NVIDIA RTX A4000", 76.7), ("NVIDIA RTX A4000H", None), ("Tesla T4", None), ("NVIDIA A10G", None)],
 )
 def test_peak_matches_whole_model_names_and_knows_no_figure_for_unknown_devices(name, tflops):
     assert peak_flops_for_name(name) == (tflops * 1e12 if tflops else None)
+
+
+def test_one_gpu_table_prices_and_peaks_the_same_device():
+    """The planner's cost and the run's MFU read one table: a name the MFU does not know has no price either."""
+    for name in ("NVIDIA RTX A1000 Laptop GPU", "NVIDIA GeForce RTX 4090 D", "NVIDIA GH200 480GB"):
+        assert gpu_for_device_name(name) is None
+    a100 = gpu_for_device_name("NVIDIA A100-SXM4-80GB")
+    assert a100 is parse_target("4xa100")[1] and a100.price_usd == 19_000  # "$100K or 100 Days"
+    assert peak_flops_for_name("NVIDIA A100-SXM4-80GB") == a100.peak_tflops * 1e12
+    assert {gpu.key for gpu in GPUS} >= {"h100", "h100-pcie", "a100", "4090", "3090", "a6000"}
 
 
 def test_mfu_on_four_processes_divides_by_the_peak_of_four_devices(gpu):

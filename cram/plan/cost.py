@@ -1,5 +1,6 @@
-"""Hardware facts and money: the GPU table (REFERENCE.md sections 3 and 4), the published amortisation, the
-analytic FLOP-based estimate, and projections to hardware the user does not have."""
+"""Money and projections: the published amortisation, the cloud price per GPU-hour, the analytic FLOP-based
+estimate, and projections to hardware the user does not have. The GPU table (peaks, memory, prices) is
+`cram.train.throughput.GPUS`, the one MFU is logged with."""
 
 from __future__ import annotations
 
@@ -8,37 +9,12 @@ import re
 from dataclasses import dataclass
 
 from cram.errors import UserError
+from cram.train.throughput import GPUS, Gpu
 
 SECONDS_PER_DAY = 86_400.0
 AMORTISATION_DAYS = 5 * 365  # "$100K or 100 Days": hardware price × days / (5 × 365)
-
-
-@dataclass(frozen=True)
-class Gpu:
-    key: str  # as written in --target, e.g. 8xh100
-    name_substring: str  # how torch.cuda.get_device_name spells it
-    peak_tflops: float  # dense bf16
-    memory_gib: float
-    price_usd: float | None  # None: no price in the published table
-
-
-# Most specific first: "H100 PCIe" before "H100".
-GPUS = (
-    Gpu("h100-pcie", "H100 PCIe", 756.0, 80, None),
-    Gpu("h100", "H100", 989.0, 80, 30_000),
-    Gpu("h200", "H200", 989.0, 141, None),
-    Gpu("a100", "A100", 312.0, 80, 19_000),
-    Gpu("4090", "RTX 4090", 165.0, 24, None),
-    Gpu("3090", "RTX 3090", 71.0, 24, 1_300),
-    Gpu("a6000", "RTX A6000", 154.8, 48, 4_800),
-    Gpu("a4000", "RTX A4000", 76.7, 16, None),
-)
 # The machine the GPUs sit in, by GPU count.
 BASE_MACHINE_USD = {1: 1_000, 2: 1_500, 4: 7_500, 8: 10_500}
-
-
-def gpu_for_device_name(name: str) -> Gpu | None:
-    return next((gpu for gpu in GPUS if gpu.name_substring in name), None)
 
 
 def parse_target(text: str) -> tuple[int, Gpu]:
@@ -70,6 +46,11 @@ def amortised_cost(price_usd: float | None, days: float) -> float | None:
     return None if price_usd is None else price_usd * days / AMORTISATION_DAYS
 
 
+def cloud_cost(price_per_gpu_hour: float | None, count: int, days: float) -> float | None:
+    """What renting `count` GPUs for `days` costs at `price_per_gpu_hour` (--price-per-gpu-hour)."""
+    return None if price_per_gpu_hour is None else price_per_gpu_hour * count * days * 24
+
+
 def analytic_days(total_tokens: float, flops_per_token: float, count: int, peak_flops_per_device: float) -> float:
     """The FLOP-based estimate: the run's model FLOPs at the devices' full peak throughput."""
     return total_tokens * flops_per_token / (count * peak_flops_per_device) / SECONDS_PER_DAY
@@ -91,7 +72,7 @@ def project(measured_mfu: float, tokens_per_step: float, flops_per_token: float,
     cost = amortised_cost(hardware_price(count, gpu), days) if days is not None else None
     return Projection(step_seconds, days, cost, (
         f"the model FLOPs utilisation measured on {measured_on} ({measured_mfu:.1%}) holds on {count} × {gpu.key}",
-        f"peak dense bf16 throughput {gpu.peak_tflops:g} TFLOP/s per GPU (REFERENCE.md section 4)",
+        f"peak dense bf16 throughput {gpu.peak_tflops:g} TFLOP/s per GPU (its datasheet, cram/train/throughput.py)",
         "the same configuration fits in its memory and communication scales as it did here "
         "(no change of interconnect, node count or kernel choice is modelled)",
     ))

@@ -9,15 +9,24 @@ import os
 import shlex
 from pathlib import Path
 
+import yaml
+
 from cram.plan.space import Candidate
 
 
-def deepspeed_config(candidate: Candidate) -> dict:
-    zero: dict = {"stage": candidate.zero_stage}
+def deepspeed_config(candidate: Candidate, hidden_size: int) -> dict:
+    """The DeepSpeed JSON of `candidate`. Bucket sizes follow the model, not DeepSpeed's 5e8-element default (about
+    1.9 GiB per GPU under ZeRO-2 with overlap, whatever the model): "auto" where Accelerate fills them from the
+    model's hidden size (hidden², as it does for reduce_bucket_size), the same hidden² for the all-gather bucket,
+    which Accelerate does not fill. Gradients accumulate in fp32 over micro-batches."""
+    zero: dict = {"stage": candidate.zero_stage, "reduce_bucket_size": "auto"}
+    if candidate.zero_stage in (1, 2):
+        zero["allgather_bucket_size"] = hidden_size * hidden_size
     if candidate.zero_stage >= 2:
         zero.update(overlap_comm=True, contiguous_gradients=True)
     if candidate.zero_stage == 3:
-        zero["stage3_gather_16bit_weights_on_model_save"] = True
+        zero.update(stage3_prefetch_bucket_size="auto", stage3_param_persistence_threshold="auto",
+                    stage3_gather_16bit_weights_on_model_save=True)
     if candidate.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         if candidate.zero_stage == 3:
@@ -29,6 +38,7 @@ def deepspeed_config(candidate: Candidate) -> dict:
         "gradient_clipping": "auto",
         "bf16": {"enabled": "auto"},
         "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16},
+        "data_types": {"grad_accum_dtype": "fp32"},
         "steps_per_print": 1_000_000_000,
         "wall_clock_breakdown": False,
         "zero_optimization": zero,
@@ -41,26 +51,27 @@ def deepspeed_config(candidate: Candidate) -> dict:
 def accelerate_config(candidate: Candidate, num_processes: int, use_cpu: bool, deepspeed_file: Path | None,
                       layer_class: str) -> str:
     """The Accelerate launch config (YAML text) for `candidate` on `num_processes` processes of one machine."""
-    lines = [f"# Written by the planner (recipes/plan.py): candidate {candidate.name}.",
-             "compute_environment: LOCAL_MACHINE"]
+    config: dict = {"compute_environment": "LOCAL_MACHINE"}
     if candidate.is_deepspeed:
-        lines += ["distributed_type: DEEPSPEED", "deepspeed_config:",
-                  f"  deepspeed_config_file: {deepspeed_file}", "  zero3_init_flag: false"]
+        config["distributed_type"] = "DEEPSPEED"
+        config["deepspeed_config"] = {"deepspeed_config_file": str(deepspeed_file), "zero3_init_flag": False}
     elif candidate.is_fsdp:
-        lines += ["distributed_type: FSDP", "fsdp_config:", "  fsdp_version: 2",
-                  "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP",
-                  f"  fsdp_transformer_layer_cls_to_wrap: {layer_class}",
-                  f"  fsdp_reshard_after_forward: {str(candidate.sharding == 'fsdp-full').lower()}",
-                  "  fsdp_state_dict_type: SHARDED_STATE_DICT", "  fsdp_cpu_ram_efficient_loading: false",
-                  f"  fsdp_offload_params: {str(candidate.offload).lower()}",
-                  "  fsdp_activation_checkpointing: false"]
+        config["distributed_type"] = "FSDP"
+        config["fsdp_config"] = {
+            "fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_transformer_layer_cls_to_wrap": layer_class,
+            "fsdp_reshard_after_forward": candidate.sharding == "fsdp-full",
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_cpu_ram_efficient_loading": False,
+            "fsdp_offload_params": candidate.offload, "fsdp_activation_checkpointing": False,
+        }
     elif num_processes > 1:
-        lines.append(f"distributed_type: {'MULTI_CPU' if use_cpu else 'MULTI_GPU'}")
+        config["distributed_type"] = "MULTI_CPU" if use_cpu else "MULTI_GPU"
     else:
-        lines.append("distributed_type: 'NO'")
-    lines += ["num_machines: 1", f"num_processes: {num_processes}", "machine_rank: 0",
-              f"use_cpu: {str(use_cpu).lower()}", "main_training_function: main"]
-    return "\n".join(lines) + "\n"
+        config["distributed_type"] = "NO"
+    config.update(num_machines=1, num_processes=num_processes, machine_rank=0, use_cpu=use_cpu,
+                  main_training_function="main")
+    return (f"# Written by the planner (recipes/plan.py): candidate {candidate.name}.\n"
+            + yaml.safe_dump(config, sort_keys=False))
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -70,12 +81,13 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(partial, path)
 
 
-def write_pair(candidate: Candidate, folder: Path, num_processes: int, use_cpu: bool, layer_class: str) -> Path:
+def write_pair(candidate: Candidate, folder: Path, num_processes: int, use_cpu: bool, layer_class: str,
+               hidden_size: int) -> Path:
     """Write FOLDER/accel_configs/plan-NAME.yaml (and FOLDER/ds_configs/plan-NAME.json); the YAML's path."""
     deepspeed_file = None
     if candidate.is_deepspeed:
         deepspeed_file = folder / "ds_configs" / f"plan-{candidate.name}.json"
-        write_atomically(deepspeed_file, json.dumps(deepspeed_config(candidate), indent=2) + "\n")
+        write_atomically(deepspeed_file, json.dumps(deepspeed_config(candidate, hidden_size), indent=2) + "\n")
     accelerate_file = folder / "accel_configs" / f"plan-{candidate.name}.yaml"
     write_atomically(accelerate_file,
                      accelerate_config(candidate, num_processes, use_cpu, deepspeed_file, layer_class))

@@ -1,13 +1,16 @@
-"""The analytic memory model: bytes one device holds for a candidate at a micro-batch, before anything runs.
+"""The planner's memory model: bytes one device, and one node's host memory, hold for a candidate at a micro-batch,
+before anything runs.
 
-It prunes candidates that cannot fit and seeds the micro-batch search near the limit. Model state per parameter
-(mixed precision, AdamW): DeepSpeed keeps 2 bytes of 16-bit weights, 2 of gradients and 12 of optimizer state
-(fp32 master copy + two moments); plain DDP and FSDP keep 4 + 4 + 8. ZeRO-1 shards the optimizer state, ZeRO-2
-and FSDP shard-grad-op also the gradients, ZeRO-3 and FSDP full-shard everything. Offload moves the optimizer
-state (and under ZeRO-3 / full-shard the weights) to host memory, which on the CPU is the same memory, so there
-it saves nothing. Activations follow Korthikanti et al. (2022): about 34 · seq · hidden bytes per layer and
-sequence in 16-bit (SDPA keeps the seq² scores out of memory); checkpointing keeps only each layer's input plus
-one layer's activations. The logits and their gradient add seq · vocab · 10 bytes per sequence.
+It prunes candidates that cannot fit and seeds the micro-batch search near the limit. Model state comes from the
+toolkit's one model of it (`cram.train.memory.model_state_bytes`: DeepSpeed's own estimators for the ZeRO rows
+under mixed precision, 4 + 4 + 8 bytes per parameter without ZeRO or in fp32). Plain DDP on several processes adds
+its gradient buckets (4 bytes per parameter: Accelerate leaves `gradient_as_bucket_view` off), and 16-bit
+autocast keeps a 16-bit copy of every matmul weight for the backward pass (2 bytes each). FSDP2 keeps fp32
+weights, gradients and moments (4 + 4 + 8), sharded as its strategy says, plus the layer it gathers; its offload
+moves all three to the host. On the CPU host and device memory are one, so offload saves nothing there.
+Activations follow Korthikanti et al. (2022): about 34 · seq · hidden bytes per layer and sequence in 16-bit
+(SDPA keeps the seq² scores out of memory); checkpointing keeps only each layer's input plus one layer's
+activations. The logits and their gradient add seq · vocab · 10 bytes per sequence.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from dataclasses import dataclass
 
 from transformers import GPTNeoXConfig, PretrainedConfig
 
+from cram.plan.models import build_model
 from cram.plan.space import Candidate
+from cram.train.memory import model_state_bytes
 
 # Predictions above the limit by more than this factor are pruned; closer ones are measured (the model is rough).
 PRUNE_MARGIN = 1.25
@@ -35,32 +40,75 @@ class Shape:
     num_devices: int
     on_cpu: bool
     activation_bytes: int = 2  # 2 under bf16/fp16 autocast, 4 in fp32
+    largest_layer_parameters: int = 0  # the largest module's own parameters (what ZeRO-3 gathers at once)
+    matmul_parameters: int = 0  # weights of the linear layers (autocast keeps a 16-bit copy of each)
 
     @classmethod
-    def of(cls, config: PretrainedConfig, parameters: int, seq_len: int, num_devices: int, on_cpu: bool,
+    def of(cls, config: PretrainedConfig, seq_len: int, num_devices: int, on_cpu: bool,
            activation_bytes: int) -> Shape:
+        import torch
+
         fraction = 1.0 if isinstance(config, GPTNeoXConfig) else config.sparse_prediction
+        with torch.device("meta"):  # counted without memory or initialisation
+            model = build_model(config)
+        parameters = sum(param.numel() for param in model.parameters())
+        largest = max(sum(param.numel() for param in module.parameters(recurse=False))
+                      for module in model.modules())
+        matmul = sum(module.weight.numel() for module in model.modules() if isinstance(module, torch.nn.Linear))
         return cls(parameters, config.num_hidden_layers, config.hidden_size, config.vocab_size, seq_len, fraction,
-                   num_devices, on_cpu, activation_bytes)
+                   num_devices, on_cpu, activation_bytes, largest, matmul)
+
+    @property
+    def mixed_precision(self) -> bool:
+        return self.activation_bytes == 2
+
+
+def _fsdp_state(candidate: Candidate, shape: Shape) -> tuple[float, float]:
+    """(device, host per node) bytes of FSDP2's fp32 state."""
+    p, n = shape.parameters, shape.num_devices
+    weights, grads, optimizer = 4.0 * p, 4.0 * p, 8.0 * p
+    optimizer /= n
+    grads /= n
+    gathered = 4.0 * shape.largest_layer_parameters
+    weights = weights / n + gathered if candidate.sharding == "fsdp-full" else weights
+    host = 4.0 * p * n  # each process loads the whole fp32 model first (cpu_ram_efficient_loading false)
+    if candidate.offload and not shape.on_cpu:
+        host += (weights - gathered if candidate.sharding == "fsdp-full" else weights) * n + (grads + optimizer) * n
+        return gathered, host
+    return weights + grads + optimizer, host
+
+
+def state_and_host_bytes(candidate: Candidate, shape: Shape) -> tuple[float, float]:
+    """(bytes of model state on one device, bytes of host memory on the node) for `candidate`."""
+    eight_bit_saving = 6.0 * shape.parameters if candidate.optimizer == "adamw-8bit" else 0.0  # 1-byte moments
+    if candidate.is_fsdp:
+        device, host = _fsdp_state(candidate, shape)
+        return device - eight_bit_saving / shape.num_devices, host
+    offload = candidate.offload and not shape.on_cpu
+    state = model_state_bytes(shape.parameters, shape.largest_layer_parameters, candidate.zero_stage, offload,
+                              offload and candidate.zero_stage == 3, shape.num_devices,
+                              mixed_precision=shape.mixed_precision)
+    device = state.device
+    if candidate.is_deepspeed:
+        if not offload:  # an offloaded 8-bit optimizer is refused (DeepSpeed swaps in its 32-bit CPU Adam)
+            device -= eight_bit_saving / shape.num_devices
+        return device, state.host
+    device -= eight_bit_saving
+    if shape.num_devices > 1:
+        device += 4.0 * shape.parameters  # DDP's gradient buckets
+    if shape.mixed_precision:
+        device += 2.0 * shape.matmul_parameters  # autocast's 16-bit weight copies, kept for the backward pass
+    return device, state.host
 
 
 def state_bytes(candidate: Candidate, shape: Shape) -> float:
     """Weights, gradients and optimizer state on one device."""
-    p, n = shape.parameters, shape.num_devices
-    weights, grads, optimizer = (2.0, 2.0, 12.0) if candidate.is_deepspeed else (4.0, 4.0, 8.0)
-    if candidate.optimizer == "adamw-8bit":
-        optimizer -= 6.0  # two 1-byte moments instead of two fp32 ones
-    if candidate.sharding in ("zero1", "zero2", "zero3", "fsdp-grad-op", "fsdp-full"):
-        optimizer /= n
-    if candidate.sharding in ("zero2", "zero3", "fsdp-grad-op", "fsdp-full"):
-        grads /= n
-    if candidate.sharding in ("zero3", "fsdp-full"):
-        weights = weights / n + weights / max(shape.layers, 1)  # plus the one layer gathered for compute
-    if candidate.offload and not shape.on_cpu:
-        optimizer = 0.0
-        if candidate.sharding in ("zero3", "fsdp-full"):
-            weights = weights / max(shape.layers, 1)
-    return p * (weights + grads + optimizer)
+    return state_and_host_bytes(candidate, shape)[0]
+
+
+def host_bytes(candidate: Candidate, shape: Shape) -> float:
+    """Host memory the node's processes take for `candidate` (the model load, and what offload moves there)."""
+    return state_and_host_bytes(candidate, shape)[1]
 
 
 def activation_bytes(candidate: Candidate, shape: Shape, micro_batch: int) -> float:
@@ -85,12 +133,18 @@ def predicted_largest_micro_batch(candidate: Candidate, shape: Shape, limit_byte
     return max(0, int((limit_bytes - state_bytes(candidate, shape)) // per_sequence))
 
 
-def prune_reason(candidate: Candidate, shape: Shape, limit_bytes: float) -> str | None:
-    """Why the candidate cannot fit even micro-batch 1 (beyond the model's margin), or None if it may fit."""
+def prune_reason(candidate: Candidate, shape: Shape, limit_bytes: float,
+                 host_limit_bytes: float | None = None) -> str | None:
+    """Why the candidate cannot fit even micro-batch 1 (beyond the model's margin) on the device, or at all in the
+    node's host memory; None if it may fit."""
     needed = predicted_bytes(candidate, shape, 1)
-    if needed <= PRUNE_MARGIN * limit_bytes:
-        return None
-    return f"memory model: {needed / 2**30:.2f} GiB at micro-batch 1 > {limit_bytes / 2**30:.2f} GiB limit"
+    if needed > PRUNE_MARGIN * limit_bytes:
+        return f"memory model: {needed / 2**30:.2f} GiB at micro-batch 1 > {limit_bytes / 2**30:.2f} GiB limit"
+    host = host_bytes(candidate, shape)
+    if host_limit_bytes is not None and not shape.on_cpu and host > host_limit_bytes:
+        return (f"host memory model: {host / 2**30:.1f} GiB of host memory on the node > "
+                f"{host_limit_bytes / 2**30:.1f} GiB host limit (--host-memory-limit)")
+    return None
 
 
 def seed_micro_batch(candidate: Candidate, shape: Shape, limit_bytes: float) -> int:

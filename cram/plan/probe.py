@@ -26,9 +26,9 @@ from accelerate.utils import set_seed
 from cram.data import DataOptions, is_prepared, prepare, prepared_path
 from cram.data.collator import MaskedLMCollator
 from cram.plan.models import build_model, flops_per_token, is_causal, model_config
-from cram.plan.search import Probe, largest_dividing, largest_micro_batch
+from cram.plan.search import Probe, divisors, largest_micro_batch
 from cram.plan.space import Candidate
-from cram.plan.timing import MemoryGauge, StepTimes, TimingClock
+from cram.plan.timing import MemoryGauge, SettlingClock, TimingClock
 from cram.train.loop import train
 from cram.train.optim import build_adamw
 from cram.train.runtime import (
@@ -45,9 +45,14 @@ from cram.train.throughput import peak_flops
 
 # Pythia's tokenizer cannot be fetched here; any real text in ids below the vocabulary times the same (dense model).
 PYTHIA_STANDIN_VOCAB = 8192
-# A process that ran out of memory alone leaves the others waiting in a collective: they give up after this, so
-# the launch ends and the candidate is recorded as infeasible instead of hanging the sweep.
+# A last guard against a process group stuck in a collective (a rank that died outside a probe): the launch ends.
 COLLECTIVE_TIMEOUT_MINUTES = 10.0
+# How a process of a multi-process search that ran out of memory exits: at once, so that the launcher tears the
+# others down instead of leaving them waiting in a collective, and the parent records the size as not fitting.
+OUT_OF_MEMORY_EXIT = 75
+# The forms in which an allocator says it ran out of device (or host) memory.
+OUT_OF_MEMORY_MARKERS = ("out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed",
+                         "cusolver_status_alloc_failed", "cufft_alloc_failed", "can't allocate memory")
 
 
 def causal_lm_batch(items: dict) -> dict[str, torch.Tensor]:
@@ -85,6 +90,7 @@ class CandidateRun:
 
     def release(self) -> None:
         self.accelerator.free_memory()
+        torch.compiler.reset()  # the next probe compiles its own model afresh, not on the last one's caches
         gc.collect()
 
     def steps(self, micro_batch: int, accumulation: int, clock: TimingClock) -> None:
@@ -120,16 +126,31 @@ def agree_max(accelerator: Accelerator, values: list[float]) -> list[float]:
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+    text = str(error).lower()
+    return isinstance(error, torch.OutOfMemoryError) or any(marker in text for marker in OUT_OF_MEMORY_MARKERS)
+
+
+def note_progress(request: dict, accelerator: Accelerator, entry: dict) -> None:
+    """Append one line to the search's progress file (rank 0), so the parent knows what a crashed launch tried."""
+    if accelerator.is_main_process and request.get("progress"):
+        with open(request["progress"], "a") as progress:
+            progress.write(json.dumps(entry) + "\n")
 
 
 def probe_once(run: CandidateRun, gauge: MemoryGauge, micro_batch: int, limit_bytes: float) -> Probe:
     """One optimizer step at `micro_batch` (accumulation 1: the optimizer state is allocated, as in any step)."""
     gauge.reset()
+    note_progress(run.request, run.accelerator, {"trying": micro_batch})
     out_of_memory = False
     try:
         run.steps(micro_batch, 1, TimingClock(1, run.accelerator.device))
     except Exception as caught:  # noqa: BLE001 - only out-of-memory is a "does not fit"; others go up below
+        if run.accelerator.num_processes > 1:
+            # The other processes may be waiting in a collective this one will never join (or have left one this
+            # one was in): end the launch now; the parent counts the size as not fitting.
+            traceback.print_exc()
+            print(f"probe of micro-batch {micro_batch} failed: {caught}", file=sys.stderr, flush=True)
+            os._exit(OUT_OF_MEMORY_EXIT if is_out_of_memory(caught) else 1)
         if not is_out_of_memory(caught):
             raise
         out_of_memory = True  # not the exception itself: its traceback would keep the probe's tensors alive
@@ -143,17 +164,19 @@ def probe_once(run: CandidateRun, gauge: MemoryGauge, micro_batch: int, limit_by
     return Probe(micro_batch, True, peak)
 
 
-def time_steps(run: CandidateRun, gauge: MemoryGauge, micro_batch: int, warmup: int, timed: int) -> dict:
-    """Warm-up plus timed optimizer steps at the recipe's accumulation; step times agreed as rank 0's marks."""
+def time_steps(run: CandidateRun, gauge: MemoryGauge, micro_batch: int, warmup: int, timed: int,
+               max_timed: int | None = None, spread_bound: float = 0.0) -> dict:
+    """Warm-up plus timed optimizer steps at the recipe's accumulation, until the step times settle within
+    `spread_bound` (at least `timed` of them, at most `max_timed`); step times agreed as rank 0's marks."""
     per_process = run.global_batch_size // run.accelerator.num_processes
     accumulation = per_process // micro_batch
     gauge.reset()
-    clock = TimingClock(warmup + timed, run.accelerator.device)
+    clock = SettlingClock(warmup, timed, max_timed or timed, spread_bound, run.accelerator.device)
     try:
         run.steps(micro_batch, accumulation, clock)
     finally:
         run.release()
-    times = StepTimes(clock.step_seconds()[warmup:])
+    times = clock.timed()
     (peak,) = agree_max(run.accelerator, [gauge.peak()])
     tokens_per_second = run.global_batch_size * run.seq_len / times.median
     per_token = flops_per_token(run.config, run.seq_len)
@@ -190,15 +213,25 @@ def run_request(request: dict, accelerator: Accelerator) -> dict:
     per_process = request["global_batch_size"] // accelerator.num_processes
     if request["mode"] == "time":
         return {**facts, "status": "ok", **time_steps(run, gauge, request["micro_batch"], request["warmup_steps"],
-                                                      request["timed_steps"])}
-    search = largest_micro_batch(lambda size: probe_once(run, gauge, size, limit),
-                                 seed=request["seed_micro_batch"], ceiling=per_process)
+                                                      request["timed_steps"], request.get("max_timed_steps"),
+                                                      request.get("spread_bound", 0.0))}
+    known = {probe["micro_batch"]: Probe(**probe) for probe in request.get("known_probes", [])}
+
+    def try_size(size: int) -> Probe:
+        if size in known:  # decided by an earlier launch of this search
+            return known[size]
+        probe = probe_once(run, gauge, size, limit)
+        note_progress(request, accelerator, vars(probe))
+        return probe
+
+    search = largest_micro_batch(try_size, seed=request["seed_micro_batch"], sizes=divisors(per_process))
     probes = [vars(probe) for probe in search.probes]
-    micro_batch = largest_dividing(search.largest, per_process)
+    micro_batch = search.largest
     if micro_batch == 0:
         return {**facts, "status": "infeasible", "reason": f"micro-batch 1 does not fit: {search.failure}",
                 "probes": probes}
-    timing = time_steps(run, gauge, micro_batch, request["warmup_steps"], request["timed_steps"])
+    timing = time_steps(run, gauge, micro_batch, request["warmup_steps"], request["timed_steps"],
+                        request.get("max_timed_steps"), request.get("spread_bound", 0.0))
     return {**facts, "status": "ok", "largest_fitting": search.largest, "probes": probes, **timing}
 
 

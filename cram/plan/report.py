@@ -13,15 +13,21 @@ def _number(value: float | None, fmt: str) -> str:
     return "–" if value is None else format(value, fmt)
 
 
+def tie_note(rank: int, row: dict) -> str:
+    if not row.get("tie"):
+        return ""
+    return ", tie: picked, most memory headroom" if rank == 1 else ", tie with #1 (within the noise)"
+
+
 def markdown_table(rows: list[dict]) -> str:
     lines = [
         "| # | candidate | micro-batch × accum. | step time (s) | tokens/s | MFU | peak memory (GiB) | days | cost ($) "
-        "| analytic days | measured ÷ analytic | status |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cloud ($) | analytic days | measured ÷ analytic | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for rank, row in enumerate(rows, 1):
         if row["status"] != "ok":
-            lines.append(f"| – | {row['candidate']} | | | | | | | | | | infeasible: {row['reason']} |")
+            lines.append(f"| – | {row['candidate']} | | | | | | | | | | | infeasible: {row['reason']} |")
             continue
         time = row["step_time"]
         lines.append(
@@ -29,8 +35,9 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {time['median']:.3f} ± {time['spread']:.1%} | {row['tokens_per_second']:,.0f} "
             f"| {_number(row.get('mfu'), '.1%')} | {row['peak_memory_bytes'] / 2**30:.2f} "
             f"| {row['days']:.2f} | {_number(row.get('cost_usd'), ',.0f')} "
+            f"| {_number(row.get('cloud_cost_usd'), ',.0f')} "
             f"| {_number(row.get('analytic_days'), '.2f')} | {_number(row.get('measured_over_analytic'), '.2f')} "
-            f"| {row['source']} |"
+            f"| {row['source']}{tie_note(rank, row)} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -47,13 +54,18 @@ def write_chart(rows: list[dict], path: Path, title: str) -> None:
               for row in rows]
     figure, axes = plt.subplots(figsize=(8, 0.4 * len(rows) + 1.5))
     positions = range(len(rows))
-    axes.barh(positions, seconds, xerr=errors, color=["tab:blue" if s else "lightgrey" for s in seconds])
+    colours = ["tab:orange" if row.get("tie") else "tab:blue" if s else "lightgrey"
+               for row, s in zip(rows, seconds, strict=True)]
+    axes.barh(positions, seconds, xerr=errors, color=colours)
     for position, row in zip(positions, rows, strict=True):
         if row["status"] != "ok":
             axes.text(0, position, "  infeasible", va="center", fontsize=8, color="dimgrey")
+        elif row.get("tie"):
+            label = "  tie: picked (most memory headroom)" if position == 0 else "  tie (within the noise)"
+            axes.text(0, position, label, va="center", fontsize=8, color="black")
     axes.set_yticks(list(positions), names, fontsize=8)
     axes.invert_yaxis()
-    axes.set_xlabel("optimizer step time (s), median ± half range")
+    axes.set_xlabel("optimizer step time (s), median ± half the interquartile range")
     axes.set_title(title, fontsize=10)
     figure.tight_layout()
     partial = path.with_name(path.stem + ".partial.png")
@@ -64,5 +76,7 @@ def write_chart(rows: list[dict], path: Path, title: str) -> None:
 
 def write_reports(plan: dict, output_dir: Path) -> None:
     write_atomically(output_dir / "plan.json", json.dumps(plan, indent=2) + "\n")
-    write_atomically(output_dir / "plan.md", f"# {plan['title']}\n\n{markdown_table(plan['rows'])}")
+    left_out = "".join(f"- {item}\n" for item in plan.get("left_out_of_days", []))
+    write_atomically(output_dir / "plan.md", f"# {plan['title']}\n\n{markdown_table(plan['rows'])}"
+                     + (f"\nLeft out of the days:\n{left_out}" if left_out else ""))
     write_chart(plan["rows"], output_dir / "plan.png", plan["title"])

@@ -3,7 +3,8 @@ failure. Every probe is one real optimizer step (see `cram.plan.probe`); here th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -27,49 +28,55 @@ class SearchResult:
         return min(failed, key=lambda probe: probe.micro_batch).reason if failed else None
 
 
-def largest_micro_batch(try_size: Callable[[int], Probe], seed: int = 1, ceiling: int = 1 << 20) -> SearchResult:
-    """Search micro-batches in [1, ceiling]: from `seed`, double while it fits (or halve while it fails), then
-    bisect the gap. Exact for any monotone memory use: the answer fits and the next size up does not."""
+def largest_micro_batch(try_size: Callable[[int], Probe], seed: int = 1, ceiling: int = 1 << 20,
+                        sizes: Sequence[int] | None = None) -> SearchResult:
+    """Search the micro-batches `sizes` (ascending; all of 1..ceiling by default): from `seed`, double while it fits
+    (or halve while it fails), then bisect the gap. Exact for any monotone memory use: the answer fits and the
+    next size up does not."""
+    sizes = sizes if sizes is not None else range(1, ceiling + 1)
     result = SearchResult(largest=0)
 
-    def fits(size: int) -> bool:
-        probe = try_size(size)
+    def fits(index: int) -> bool:
+        probe = try_size(sizes[index])
         result.probes.append(probe)
         return probe.fits
 
-    size = max(1, min(seed, ceiling))
-    if fits(size):
-        last_fit = size
-        while last_fit < ceiling:
-            size = min(last_fit * 2, ceiling)
-            if not fits(size):
+    def at_most(value: int) -> int:
+        return max(0, bisect_right(sizes, value) - 1)
+
+    last = len(sizes) - 1
+    index = at_most(seed)
+    if fits(index):
+        last_fit = index
+        while last_fit < last:
+            index = min(bisect_left(sizes, 2 * sizes[last_fit]), last)
+            if not fits(index):
                 break
-            last_fit = size
+            last_fit = index
         else:
-            result.largest = last_fit
+            result.largest = sizes[last_fit]
             return result
-        first_failure = size
+        first_failure = index
     else:
-        first_failure = size
-        last_fit = 0
-        while first_failure > 1:
-            size = first_failure // 2
-            if fits(size):
-                last_fit = size
+        first_failure, last_fit = index, -1
+        while first_failure > 0:
+            index = at_most(sizes[first_failure] // 2)
+            if fits(index):
+                last_fit = index
                 break
-            first_failure = size
-        if last_fit == 0:
+            first_failure = index
+        if last_fit < 0:
             return result
     while first_failure - last_fit > 1:
-        size = (last_fit + first_failure) // 2
-        if fits(size):
-            last_fit = size
+        index = (last_fit + first_failure) // 2
+        if fits(index):
+            last_fit = index
         else:
-            first_failure = size
-    result.largest = last_fit
+            first_failure = index
+    result.largest = sizes[last_fit]
     return result
 
 
-def largest_dividing(limit: int, total: int) -> int:
-    """The largest micro-batch ≤ `limit` that divides `total` (each process's share of the global batch)."""
-    return max((size for size in range(1, min(limit, total) + 1) if total % size == 0), default=0)
+def divisors(total: int) -> list[int]:
+    """The micro-batches that can make up `total` sequences by accumulation, ascending."""
+    return [size for size in range(1, total + 1) if total % size == 0]

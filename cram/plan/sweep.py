@@ -3,16 +3,22 @@ candidate, so an interrupted sweep continues), and turn the results into the est
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.metadata
 import json
 import os
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cram.plan.cost import SECONDS_PER_DAY, amortised_cost, analytic_days
+import psutil
+
+from cram.errors import UserError
+from cram.plan.cost import SECONDS_PER_DAY, amortised_cost, analytic_days, cloud_cost
 from cram.plan.emit import write_atomically, write_pair
 from cram.plan.memory import Shape, prune_reason, seed_micro_batch
 from cram.plan.space import Candidate
@@ -35,10 +41,18 @@ class Setting:
     memory_limit_bytes: int | None
     warmup_steps: int
     timed_steps: int
+    max_timed_steps: int | None = None  # more timed steps while the spread is above spread_bound
+    spread_bound: float = 0.0
 
     def key(self) -> str:
-        text = json.dumps(vars(self), sort_keys=True)
+        """The setting and the library versions: a new torch or DeepSpeed may fit or run what an old one did not."""
+        text = json.dumps({**vars(self), "versions": library_versions()}, sort_keys=True)
         return f"{self.model}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+
+def library_versions() -> dict[str, str]:
+    return {package: importlib.metadata.version(package)
+            for package in ("torch", "transformers", "accelerate", "deepspeed")}
 
 
 def free_port() -> int:
@@ -52,24 +66,80 @@ def child_environment() -> dict[str, str]:
             if name not in LAUNCH_VARIABLES and not name.startswith(("ACCELERATE_", "TORCHELASTIC_"))}
 
 
-def launch_probe(accelerate_file: Path, request: dict, request_file: Path, timeout: float) -> dict:
+def end_process_tree(process: subprocess.Popen) -> None:
+    """End the launcher and every process under it: torchrun starts each worker in a session of its own, so ending
+    the launcher alone would leave them holding device memory for every later candidate."""
+    try:
+        tree = [psutil.Process(process.pid)]
+        tree += tree[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    for member in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.terminate()
+    _, alive = psutil.wait_procs(tree, timeout=10)
+    for member in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.kill()
+    psutil.wait_procs(alive, timeout=10)
+    process.wait()
+
+
+def run_launch(command: list[str], log_file: Path, timeout: float) -> int | None:
+    """Run a launch, its output to `log_file`; its exit status, or None if it ran past `timeout` (then it and all
+    its processes are ended, as they are on Ctrl-C)."""
+    with open(log_file, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_environment(),
+                                   start_new_session=True)
+        try:
+            return process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            end_process_tree(process)
+            return None
+        except BaseException:  # Ctrl-C (or any error here): leave nothing running behind
+            end_process_tree(process)
+            raise
+
+
+def launch_probe(accelerate_file: Path, request: dict, request_file: Path, timeout: float,
+                 module: str = "cram.plan.probe") -> dict:
     """Run one probe launch; its result, or an infeasible row with the reason it gave no result."""
     result_file = Path(request["result"])
     write_atomically(request_file, json.dumps(request, indent=2) + "\n")
     accelerate = Path(sys.executable).with_name("accelerate")
     command = [str(accelerate), "launch", "-q", "--config_file", str(accelerate_file),
-               "--main_process_port", str(free_port()), "-m", "cram.plan.probe", str(request_file)]
+               "--main_process_port", str(free_port()), "-m", module, str(request_file)]
     log_file = result_file.with_suffix(".log")
-    try:
-        with open(log_file, "w") as log:
-            completed = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=child_environment(),
-                                       timeout=timeout, start_new_session=True)
-        returncode = completed.returncode
-    except subprocess.TimeoutExpired:
+    returncode = run_launch(command, log_file, timeout)
+    if returncode is None:
         return {"status": "infeasible", "reason": f"no result within {timeout:g} s (hung or too slow)"}
     if result_file.exists():
         return json.loads(result_file.read_text())
     return {"status": "infeasible", "reason": f"the launch exited with status {returncode}: {last_error(log_file)}"}
+
+
+def search_and_time(request: dict, accelerate_file: Path, request_file: Path, timeout: float,
+                    module: str = "cram.plan.probe") -> dict:
+    """The micro-batch search, driven from here: a launch that crashes or hangs while probing micro-batch m (one
+    rank out of memory, the host's OOM killer) says "m does not fit", and the search goes on in a new launch
+    from what the earlier ones decided."""
+    progress_file = Path(request["result"]).with_suffix(".progress.jsonl")
+    known: dict[int, dict] = {}
+    while True:
+        progress_file.unlink(missing_ok=True)
+        result = launch_probe(accelerate_file, {**request, "known_probes": list(known.values()),
+                                                "progress": str(progress_file)}, request_file, timeout, module)
+        if Path(request["result"]).exists():
+            return result
+        lines = progress_file.read_text().splitlines() if progress_file.exists() else []
+        entries = [json.loads(line) for line in lines]
+        decided = [entry for entry in entries if "fits" in entry]
+        known.update({entry["micro_batch"]: entry for entry in decided})
+        tried = [entry["trying"] for entry in entries if "trying" in entry]
+        if not tried or tried[-1] in known:  # it failed outside a probe: that is the candidate's result
+            return result
+        known[tried[-1]] = {"micro_batch": tried[-1], "fits": False, "peak_bytes": None,
+                            "reason": f"the launch failed at this micro-batch ({result['reason']})"}
 
 
 def last_error(log_file: Path) -> str:
@@ -80,10 +150,12 @@ def last_error(log_file: Path) -> str:
 
 
 def sweep(candidates: list[Candidate], setting: Setting, shape: Shape, limit_bytes: float, work_dir: Path,
-          layer_class: str, timeout: float, say=print) -> list[dict]:
+          layer_class: str, timeout: float, say=print, host_limit_bytes: float | None = None,
+          retry_failed: bool = False) -> list[dict]:
     """One row per candidate: measured, from the cache, or infeasible by rule or by the memory model."""
     cache = work_dir / "cache" / setting.key()
     rows = []
+    offload_ready = False
     for index, candidate in enumerate(candidates, 1):
         row = {"candidate": candidate.name, **candidate.to_dict()}
         cached = cache / f"{candidate.name}.json"
@@ -93,30 +165,63 @@ def sweep(candidates: list[Candidate], setting: Setting, shape: Shape, limit_byt
         elif candidate.optimizer == "adamw-8bit" and candidate.offload and candidate.is_deepspeed:
             row.update(status="infeasible", source="rules", reason="DeepSpeed replaces an 8-bit optimizer with its "
                        "32-bit CPU Adam when it offloads the optimizer (see check_optimizer_for_deepspeed)")
-        elif (reason := prune_reason(candidate, shape, limit_bytes)) is not None:
+        elif candidate.optimizer == "adamw-8bit" and candidate.is_fsdp:
+            row.update(status="infeasible", source="rules", reason="bitsandbytes' 8-bit Adam does not step FSDP2's "
+                       "sharded DTensor parameters (bitsandbytes#1633)")
+        elif (reason := prune_reason(candidate, shape, limit_bytes, host_limit_bytes)) is not None:
             row.update(status="infeasible", source="memory model", reason=reason)
-        elif cached.exists():
+        elif cached.exists() and not (retry_failed and json.loads(cached.read_text())["status"] != "ok"):
             row.update(json.loads(cached.read_text()), source="cache")
         else:
             say(f"[{index}/{len(candidates)}] measuring {candidate.name} ...")
+            cached.unlink(missing_ok=True)  # a failed result being measured again (--retry-failed)
+            if candidate.is_deepspeed and candidate.offload and not offload_ready:
+                build_offload_optimizer()
+                offload_ready = True
             accelerate_file = write_pair(candidate, cache / "pairs", setting.num_processes, setting.use_cpu,
-                                         layer_class)
+                                         layer_class, shape.hidden)
             request = {
                 "mode": "search", "model": setting.model, "candidate": candidate.to_dict(),
                 "seq_len": setting.seq_len, "global_batch_size": setting.global_batch_size,
                 "memory_limit_bytes": setting.memory_limit_bytes,
                 "seed_micro_batch": seed_micro_batch(candidate, shape, limit_bytes),
                 "warmup_steps": setting.warmup_steps, "timed_steps": setting.timed_steps,
+                "max_timed_steps": setting.max_timed_steps, "spread_bound": setting.spread_bound,
                 "precision": "auto", "compile": "auto", "cache_dir": os.environ.get("CRAM_CACHE"),
                 "result": str(cached),
             }
-            result = launch_probe(accelerate_file, request, cache / f"{candidate.name}.request.json", timeout)
+            result = search_and_time(request, accelerate_file, cache / f"{candidate.name}.request.json", timeout)
             if not cached.exists():  # a launch that wrote nothing: its failure is the cached result
                 write_atomically(cached, json.dumps(result, indent=2) + "\n")
             row.update(result, source="measured")
         say(f"    {candidate.name}: {describe_row(row)}")
         rows.append(row)
     return rows
+
+
+# A build that changed nothing in its folder for this long while holding the lock was interrupted.
+STALE_BUILD_SECONDS = 300.0
+
+
+def build_offload_optimizer(stale_after: float = STALE_BUILD_SECONDS) -> None:
+    """Build (or load the built) DeepSpeed CPU Adam op here, once, before any offload candidate launches: a build
+    killed part-way leaves a lock on which every later launch would wait for its whole --candidate-timeout. A
+    build running elsewhere (its files still changing) is waited for."""
+    from deepspeed.accelerator import get_accelerator
+    from torch.utils.cpp_extension import _get_build_directory
+
+    builder = get_accelerator().create_op_builder("CPUAdamBuilder")
+    folder = Path(_get_build_directory(builder.name, verbose=False))
+    lock = folder / "lock"
+    while lock.exists():
+        with contextlib.suppress(FileNotFoundError):
+            last_change = max(path.stat().st_mtime for path in [folder, *folder.iterdir()])
+            if time.time() - last_change > stale_after:
+                raise UserError(
+                    f"DeepSpeed's CPU Adam build is locked by {lock}, left by a build that was interrupted (nothing "
+                    f"there changed for {stale_after / 60:g} minutes): delete that file, then plan again.")
+        time.sleep(5)
+    builder.load()
 
 
 def describe_row(row: dict) -> str:
@@ -128,8 +233,8 @@ def describe_row(row: dict) -> str:
 
 
 def add_estimates(rows: list[dict], steps: int | None, budget_hours: float | None, tokens_per_step: int,
-                  hardware_price: float | None) -> list[dict]:
-    """Days and cost of the full run for every feasible row, with the FLOP-based estimate; sorted fastest first."""
+                  hardware_price: float | None, price_per_gpu_hour: float | None = None) -> list[dict]:
+    """Days and cost of the full run for every feasible row, with the FLOP-based estimate; ranked by `rank`."""
     for row in rows:
         if row["status"] != "ok":
             continue
@@ -142,10 +247,36 @@ def add_estimates(rows: list[dict], steps: int | None, budget_hours: float | Non
             row["steps_in_budget"] = int(budget_hours * 3600 / step_seconds)
             total_tokens = row["steps_in_budget"] * tokens_per_step
         row["cost_usd"] = amortised_cost(hardware_price, row["days"])
+        row["cloud_cost_usd"] = cloud_cost(price_per_gpu_hour, row["num_processes"], row["days"])
         if row.get("peak_flops_per_device"):
             analytic = analytic_days(total_tokens, row["flops_per_token"], row["num_processes"],
                                      row["peak_flops_per_device"])
             row["analytic_days"] = analytic
             row["measured_over_analytic"] = (total_tokens / tokens_per_step * step_seconds / SECONDS_PER_DAY) / analytic
+    return rank(rows)
+
+
+def interval(row: dict) -> tuple[float, float]:
+    """The step time's median ± its spread (half the interquartile range)."""
+    time = row["step_time"]
+    return time["median"] * (1 - time["spread"]), time["median"] * (1 + time["spread"])
+
+
+def headroom(row: dict) -> float:
+    """The fraction of the memory limit the candidate left free at its micro-batch."""
+    return 1 - row["peak_memory_bytes"] / row["memory_limit_bytes"]
+
+
+def rank(rows: list[dict]) -> list[dict]:
+    """Feasible rows first. The candidates whose step-time interval overlaps the fastest's are a tie (the noise
+    could order them either way): they come first, the one with the most memory headroom picked; then the rest,
+    fastest first; then the infeasible rows."""
     feasible = sorted((row for row in rows if row["status"] == "ok"), key=lambda row: row["step_time"]["median"])
+    if feasible:
+        fastest_high = interval(feasible[0])[1]
+        tied = [row for row in feasible if interval(row)[0] <= fastest_high]
+        for row in feasible:
+            row["tie"] = len(tied) > 1 and row in tied
+        tied.sort(key=headroom, reverse=True)
+        feasible = tied + [row for row in feasible if row not in tied]
     return feasible + [row for row in rows if row["status"] != "ok"]

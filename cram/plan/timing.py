@@ -42,6 +42,25 @@ class TimingClock(StepClock):
         return [later - earlier for earlier, later in zip(self.marks, self.marks[1:], strict=False)]
 
 
+class SettlingClock(TimingClock):
+    """Times until the step times settle: after `warmup` steps, at least `min_timed` timed steps, and more (up to
+    `max_timed`) while their spread (`StepTimes.spread`) is above `spread_bound`. All processes stop together: the
+    loop acts on rank 0's reading."""
+
+    def __init__(self, warmup: int, min_timed: int, max_timed: int, spread_bound: float, device: torch.device):
+        super().__init__(warmup + max(min_timed, max_timed), device)
+        self.warmup, self.min_timed, self.spread_bound = warmup, min_timed, spread_bound
+
+    def timed(self) -> StepTimes:
+        return StepTimes(self.step_seconds()[self.warmup:])
+
+    def progress(self, steps: int) -> float:
+        progress = super().progress(steps)
+        if steps >= self.warmup + self.min_timed and self.timed().spread <= self.spread_bound:
+            return 1.0
+        return progress
+
+
 @dataclass
 class StepTimes:
     """Timed optimizer steps after warm-up: the median and the spread a prediction carries."""
@@ -53,13 +72,21 @@ class StepTimes:
         return statistics.median(self.seconds)
 
     @property
+    def quartiles(self) -> tuple[float, float]:
+        first, _, third = statistics.quantiles(self.seconds, n=4, method="inclusive")
+        return first, third
+
+    @property
     def spread(self) -> float:
-        """Half the range between the fastest and slowest timed step, relative to the median."""
-        return (max(self.seconds) - min(self.seconds)) / 2 / self.median
+        """Half the interquartile range, relative to the median: the ± a step time is quoted with (one slow step
+        among many moves it little, unlike the range)."""
+        first, third = self.quartiles
+        return (third - first) / 2 / self.median
 
     def to_dict(self) -> dict:
-        return {"median": self.median, "spread": self.spread, "min": min(self.seconds), "max": max(self.seconds),
-                "steps": self.seconds}
+        first, third = self.quartiles
+        return {"median": self.median, "spread": self.spread, "q1": first, "q3": third, "min": min(self.seconds),
+                "max": max(self.seconds), "steps": self.seconds}
 
 
 class MemoryGauge:
