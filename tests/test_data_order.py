@@ -13,7 +13,7 @@ from cram.data.pack import block_order
 from cram.data.tokenizer import train_wordpiece
 
 SEQ_LEN = 16
-FIRST_MARKER = 1000  # document i is made of the id FIRST_MARKER + i (ids the trained vocabulary never ends a sentence with)
+FIRST_MARKER = 1000  # document i is made of the id FIRST_MARKER + i (never a sentence end of the vocabulary)
 
 
 @pytest.fixture(scope="module")

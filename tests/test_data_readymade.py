@@ -6,36 +6,26 @@ from __future__ import annotations
 
 import itertools
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
+from readymade_standin import block as standin_block
+from readymade_standin import write_readymade_standin
 
 from cram.data.collator import MaskedLMCollator
 from cram.data.readymade import is_readymade_folder, open_readymade, readymade_loader
-from cram.data.tokenizer import train_wordpiece
 from cram.errors import UserError
 
 SEQ_LEN = 8
-SHARD_ROWS = (10, 7, 13)  # 30 blocks; block b holds the ids 100 + b, 101 + b, …
+SHARD_ROWS = (10, 7, 13)  # 30 blocks
 
 
 def block(serial: int) -> list[int]:
-    return list(range(100 + serial, 100 + serial + SEQ_LEN))
+    return standin_block(serial, SEQ_LEN)
 
 
 @pytest.fixture(scope="module")
 def standin(tmp_path_factory, english_texts):
-    root = tmp_path_factory.mktemp("readymade")
-    (root / "data").mkdir()
-    first = 0
-    for index, rows in enumerate(SHARD_ROWS):
-        table = pa.table({"input_ids": pa.array([block(b) for b in range(first, first + rows)], pa.list_(pa.int32()))})
-        # Small row groups, so a resumed stream starts inside a shard and inside a row group.
-        pq.write_table(table, root / "data" / f"train-{index:05d}-of-00003.parquet", row_group_size=4)
-        first += rows
-    train_wordpiece(iter(english_texts[:50]), 500, True, SEQ_LEN).save_pretrained(root / "tokenizer")
-    return root
+    return write_readymade_standin(tmp_path_factory.mktemp("readymade"), english_texts[:50], SHARD_ROWS, SEQ_LEN)
 
 
 def test_the_standin_reads_as_a_set_of_blocks(standin):

@@ -6,8 +6,14 @@ import pytest
 import torch
 
 from cram.errors import UserError
-from cram.eval.glue import Evaluation, GlueOptions, GlueRunOptions, options_fingerprint, prepare_evaluation, \
-    training_arguments
+from cram.eval.glue import (
+    Evaluation,
+    GlueOptions,
+    GlueRunOptions,
+    options_fingerprint,
+    prepare_evaluation,
+    training_arguments,
+)
 from cram.eval.glue_data import parse_tasks
 from cram.eval.glue_report import markdown_report, seed_zero, summarize
 

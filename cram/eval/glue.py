@@ -125,7 +125,8 @@ def prepare_evaluation(options: GlueOptions, run: GlueRunOptions) -> Evaluation:
     if options.seeds < 1 or options.large_task_seeds < 1:
         raise UserError("--seeds and --large-task-seeds must be at least 1: each task needs one fine-tuning.")
     if options.max_grad_norm < 0:
-        raise UserError(f"--max-grad-norm {options.max_grad_norm} is negative: give 0 (no clipping) or a norm such as 1.0.")
+        raise UserError(
+            f"--max-grad-norm {options.max_grad_norm} is negative: give 0 (no clipping) or a norm such as 1.0.")
     if options.lora_r < 0:
         raise UserError(f"--lora-r {options.lora_r} is negative: give a rank such as 8, or 0 for full fine-tuning.")
     if options.glue_dir is not None and not Path(options.glue_dir).is_dir():
