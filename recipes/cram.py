@@ -26,6 +26,8 @@ from transformers import HfArgumentParser
 from cram.cli import option, parse_strictly
 from cram.data import DataOptions, PreparedData, is_prepared, load_prepared, prepare, prepared_path
 from cram.data.collator import MaskedLMCollator
+from cram.data.passes import describe_passes, passes_by_steps, report_passes_once_timed
+from cram.data.readymade import READYMADE, ReadymadeData, is_readymade_folder, open_readymade, readymade_loader
 from cram.errors import UserError, run_cli
 from cram.hub import ModelCardFacts
 from cram.models.crammed_bert import PRESETS, CrammedBertConfig, CrammedBertForMaskedLM
@@ -38,6 +40,9 @@ from cram.train.sampling import stream_loader
 from cram.train.state import TrainState
 from cram.train.throughput import crammed_bert_flops_per_token
 
+# The paper's model trains on the paper's data (cramming/config/data/pile-readymade.yaml); the small presets on the
+# offline corpus.
+DATA_DEFAULTS = {"crammed-bert": READYMADE, "small": "embedded", "tiny": "embedded"}
 # Batch sizes by preset: (target sequences per optimizer step, micro-batch per process).
 BATCH_DEFAULTS = {"crammed-bert": (8192, 128), "small": (1024, 64), "tiny": (256, 32)}
 
@@ -50,7 +55,10 @@ class TrainingOptions:
     budget: str = option("24h", "wall-clock budget, e.g. 24h, 90m, 30s (compilation counts, data preparation not)")
     max_steps: int | None = option(
         None, "a budget of N optimizer steps instead of the wall clock: the schedule's p is step / N")
-    data: str = option("embedded", "a text file, a folder of them, a set made by prepare_data.py, or 'embedded'")
+    data: str | None = option(
+        None, "a text file, a folder of them, a set made by prepare_data.py, 'embedded', 'pile-readymade' (the "
+        "paper's data, streamed from the Hub) or a local copy of it; unset means the preset's: pile-readymade for "
+        "crammed-bert, embedded for tiny and small")
     target_batch_size: int | None = option(
         None, "sequences per optimizer step once ramped up; unset means the preset's (8192 for crammed-bert)")
     micro_batch_size: int | None = option(
@@ -79,9 +87,12 @@ def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
     training, implementation = parse_strictly(parser)
     if training.preset not in PRESETS:
         raise UserError(f"unknown preset {training.preset!r}: choose one of {', '.join(PRESETS)}.")
-    if training.data != "embedded" and not Path(training.data).exists():
+    if training.data is None:
+        training.data = DATA_DEFAULTS[training.preset]
+    if training.data not in ("embedded", READYMADE) and not Path(training.data).exists():
         raise UserError(
-            f"the data path {training.data} does not exist: give an existing file or folder, or 'embedded'."
+            f"the data path {training.data} does not exist: give an existing file or folder, 'embedded' or "
+            f"'{READYMADE}'."
         )
     if training.max_steps is not None and training.max_steps <= 0:
         raise UserError(f"--max-steps {training.max_steps} is not a positive number of steps: give one, e.g. 1000.")
@@ -98,8 +109,11 @@ def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
 
 def load_data(
     training: TrainingOptions, config: CrammedBertConfig, cache_dir: str | None, accelerator: Accelerator
-) -> PreparedData:
-    """The prepared set: each machine's first process prepares it (or finds it cached) while the others wait."""
+) -> PreparedData | ReadymadeData:
+    """The prepared set: each machine's first process prepares it (or finds it cached) while the others wait;
+    or the ready-made one, streamed."""
+    if training.data == READYMADE or is_readymade_folder(training.data):
+        return open_readymade(training.data, cache_dir)  # reads footers only; the Hub client locks its downloads
     if training.data != "embedded" and is_prepared(training.data):
         return load_prepared(training.data)
     options = DataOptions(sources=[training.data], vocab_size=config.vocab_size, seq_len=config.max_position_embeddings)
@@ -108,7 +122,7 @@ def load_data(
         accelerator, lambda: prepare(options, cache_dir=cache_dir), ready=lambda: is_prepared(target))
 
 
-def describe_data(data: PreparedData) -> str:
+def describe_data(data: PreparedData | ReadymadeData) -> str:
     stats = data.stats
     line = f"data: {len(data.dataset):,} blocks of {len(data.dataset[0]['input_ids'])} tokens from {data.path}"
     if "documents_read" in stats:
@@ -117,6 +131,8 @@ def describe_data(data: PreparedData) -> str:
             f"({stats.get('documents_incompressible', 0):,} incompressible, "
             f"{stats.get('documents_too_short', 0):,} too short, {stats.get('documents_duplicate', 0):,} duplicates)"
         )
+    if "kept_fraction_after_trash_filter" in stats:
+        line += f"; the trash filter kept {100 * stats['kept_fraction_after_trash_filter']:.1f} % of the documents"
     return line
 
 
@@ -164,12 +180,28 @@ def main() -> None:
         eight_bit=training.optimizer == "adamw-8bit",
     )
     model, optimizer, state = run.prepare(model, optimizer)
-    batches = iter(stream_loader(
-        data.dataset, MaskedLMCollator.for_tokenizer(data.tokenizer, config.sparse_prediction, seed=training.seed),
-        start=state.sequences, micro_batch_size=training.micro_batch_size,
-        process_index=accelerator.process_index, num_processes=accelerator.num_processes,
-        num_workers=run.num_workers, pin_memory=run.device_type == "cuda",
-    ))
+    collator = MaskedLMCollator.for_tokenizer(data.tokenizer, config.sparse_prediction, seed=training.seed)
+    if isinstance(data, ReadymadeData):
+        loader = readymade_loader(
+            data.dataset, collator, start=state.sequences, micro_batch_size=training.micro_batch_size,
+            process_index=accelerator.process_index, num_processes=accelerator.num_processes,
+            pin_memory=run.device_type == "cuda")
+    else:
+        loader = stream_loader(
+            data.dataset, collator, start=state.sequences, micro_batch_size=training.micro_batch_size,
+            process_index=accelerator.process_index, num_processes=accelerator.num_processes,
+            num_workers=run.num_workers, pin_memory=run.device_type == "cuda")
+    batches = iter(loader)
+    sequences_per_micro_step = training.micro_batch_size * accelerator.num_processes
+    if training.max_steps and run.is_main_process:
+        print(describe_passes(passes_by_steps(
+            len(data.dataset), training.max_steps,
+            lambda progress: ramp_accumulation(progress, full, training.ramp_end) * sequences_per_micro_step,
+        ), len(data.dataset)))
+    elif run.is_main_process:
+        batches = report_passes_once_timed(batches, blocks=len(data.dataset),
+                                           sequences_per_batch=sequences_per_micro_step,
+                                           budget_seconds=budget_seconds, report=print)
     run.start_trackers(training, {
         "budget_seconds": budget_seconds,
         "max_steps": training.max_steps,

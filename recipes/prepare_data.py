@@ -1,4 +1,4 @@
-"""Prepare a pretraining set: raw text → cleaned → WordPiece tokenizer → packed, ordered, cached blocks.
+"""Prepare a pretraining set: raw text → cleaned → shuffled → WordPiece tokenizer → packed, ordered, cached blocks.
 
     python recipes/prepare_data.py SOURCE [SOURCE ...] --output-dir DIR [--vocab-size N] [--seq-len N] [--force]
 
@@ -51,7 +51,8 @@ def main() -> None:
         f"{stats['documents_read']:,} documents read, {stats['documents_kept']:,} kept "
         f"({stats['documents_too_short']:,} too short, {stats['documents_duplicate']:,} duplicates, "
         f"{stats['documents_incompressible']:,} incompressible, {stats['invalid_utf8_skipped']:,} invalid UTF-8 "
-        f"skipped); {stats['tokens']:,} tokens ({stats['tokens_per_character']} per character) in "
+        f"skipped; the trash filter kept {100 * stats['kept_fraction_after_trash_filter']:.1f} %); "
+        f"{stats['tokens']:,} tokens ({stats['tokens_per_character']} per character) in "
         f"{stats['blocks']:,} blocks of {stats['seq_len']}; {stats['seconds']} s."
     )
     print(f"prepared set: {prepared.path}  (train on it with: recipes/cram.py --data {prepared.path})")

@@ -140,3 +140,17 @@ def test_killed_run_leaves_nothing_usable_and_the_next_run_recovers(tmp_path, em
     prepare(small, output_dir=output, num_proc=1, progress=False)
     assert is_prepared(output)
     assert not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_a_set_prepared_before_the_format_changed_is_not_reused(tmp_path, corpus, monkeypatch):
+    """Format 2 (reference-measure trash filter, the original's normaliser, shuffled documents) changes what the same
+    options give: a set prepared under format 1 must not be served for them."""
+    import cram.data.cache
+
+    options = small_options(corpus)
+    with monkeypatch.context() as patch:
+        patch.setattr(cram.data.cache, "FORMAT_VERSION", 1)
+        old = prepare(options, cache_dir=tmp_path / "cache", num_proc=1, progress=False)
+    new = prepare(options, cache_dir=tmp_path / "cache", num_proc=1, progress=False)
+    assert cram.data.cache.FORMAT_VERSION == 2
+    assert new.path != old.path and is_prepared(old.path) and is_prepared(new.path)

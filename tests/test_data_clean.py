@@ -7,14 +7,23 @@ import random
 import string
 
 from cram.data import DataOptions, prepare
-from cram.data.clean import DocumentFilter, is_incompressible
+from cram.data.clean import DocumentFilter, incompressible, reference_pieces
 from cram.data.tokenizer import train_wordpiece
 
 
+def test_reference_pieces_count_runs_of_letters_digits_and_symbols():
+    # "Version" (1) "2" "." "10" (3) "is" "out" (2) "!!" (1) "" ; "abcdefghijklm" is 13 letters: 2 pieces;
+    # "1234567" is 7 digits: 3 pieces; "é" is one character (two UTF-8 bytes), a symbol: 1 piece.
+    pieces, characters = reference_pieces(["Version 2.10 is out!!", "", "abcdefghijklm 1234567 é"])
+    assert pieces.tolist() == [7, 0, 6] and characters.tolist() == [21, 0, 23]
+
+
 def test_trash_cutoff_boundary():
-    assert not is_incompressible(24, 100, 0.25)
-    assert is_incompressible(25, 100, 0.25)
-    assert not is_incompressible(1000, 10, 0)
+    # 20 characters: "aaaa" and "1" are one piece each, so "aaaa 1 " repeated gives 2 pieces per 7 characters.
+    text = "aaaa 1 " * 10  # 20 pieces, 70 characters: 0.2857 pieces per character
+    assert incompressible([text], 20 / 70).tolist() == [True]
+    assert incompressible([text], 20 / 70 + 1e-9).tolist() == [False]
+    assert incompressible([text], 0).tolist() == [False]
 
 
 def test_filter_drops_incompressible_documents_and_keeps_english(tmp_path, english_texts):
@@ -31,11 +40,8 @@ def test_filter_drops_incompressible_documents_and_keeps_english(tmp_path, engli
     kept_text = tokenizer.decode([i for row in prepared.dataset["input_ids"] for i in row])
     assert prepared.stats["documents_incompressible"] >= 40
     assert not any(f"noise{i} " in kept_text for i in range(40))
-    expected_kept = [
-        text for text in english
-        if len(tokenizer(text, add_special_tokens=False)["input_ids"]) < 0.25 * len(text)
-    ]
-    assert 50 < len(expected_kept) < 300
+    expected_kept = [text for text, trash in zip(english, incompressible(english, 0.25), strict=True) if not trash]
+    assert 150 < len(expected_kept) < 300
     assert prepared.stats["documents_kept"] == len(expected_kept)
 
 

@@ -18,9 +18,7 @@ def test_a_long_document_read_in_windows_gets_the_ids_of_the_whole(english_texts
     documents = english_texts[:50] + [book] + english_texts[50:100]
     whole = np.concatenate([np.array([*encoding.ids, SEP_ID], dtype=np.uint16)
                             for encoding in tokenizer.encode_batch_fast(documents, add_special_tokens=False)])
-    windowed = DocumentTokenizer(tokenizer, SEP_ID, 0, np.dtype(np.uint16), max_chars=20_000)(
+    windowed = DocumentTokenizer(tokenizer, SEP_ID, np.dtype(np.uint16), max_chars=20_000)(
         pa.table({"text": pa.array(documents, pa.large_string())}))
     assert len(book) > 10 * 20_000
     np.testing.assert_array_equal(windowed.column("ids")[0].values.to_numpy(), whole)
-    assert windowed.column("documents_kept")[0].as_py() == len(documents)
-    assert windowed.column("chars_kept")[0].as_py() == sum(map(len, documents))

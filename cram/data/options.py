@@ -32,16 +32,20 @@ class DataOptions:
     seq_len: int = field(default=128, metadata={"help": "Tokens per packed block."})
     trash_cutoff: float = field(
         default=0.25,
-        metadata={"help": "Keep a document only if its tokens < cutoff x its characters (0 keeps everything)."},
+        metadata={"help": "Keep a document only if its reference pieces < cutoff x its characters (0 keeps "
+                  "everything); the pieces need no vocabulary, so the choice is the same at every --vocab_size "
+                  "(cramming/config/data/the-pile.yaml: trash_cutoff 0.25)."},
     )
     dedup: bool = field(default=False, metadata={"help": "Drop exact duplicate documents."})
     min_chars: int = field(default=50, metadata={"help": "Drop documents shorter than this many characters."})
     ordering: str = field(
         default="curriculum",
-        metadata={"help": "Block order: 'curriculum' (most sentence ends first, as in cramming), 'random', "
-                  "or 'none' (source order)."},
+        metadata={"help": "Block order: 'curriculum' (most sentence ends first, ties at random, as in cramming), "
+                  "'random', or 'none' (documents and blocks in source order; the others shuffle the documents "
+                  "before packing)."},
     )
-    seed: int = field(default=0, metadata={"help": "Seed for sampling, source weights and random ordering."})
+    seed: int = field(default=0, metadata={"help": "Seed for sampling, source weights, the document shuffle and the "
+                                                      "order of blocks."})
     lowercase: bool = field(
         default=True,
         metadata={"help": "Normalise as the recipe says (NFD, lowercase, strip accents); "

@@ -14,8 +14,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from tokenizers import Tokenizer
 
-from cram.data.clean import is_incompressible
-
 
 def token_dtype(vocab_size: int) -> np.dtype:
     """The narrowest integer type that holds every id: halves disk and reading time for vocabularies up to 65536."""
@@ -26,8 +24,8 @@ WHITESPACE = " \n\t\r"
 
 
 class DocumentTokenizer:
-    """A `datasets.map` function (arrow batches in, one row out per batch): the batch's kept documents as
-    one token stream, each followed by [SEP], plus counts for the statistics.
+    """A `datasets.map` function (arrow batches in, one row out per batch): the batch's documents as one token
+    stream, each followed by [SEP]. (Documents were filtered before, when read: see `cram.data.clean`.)
 
     One row per batch keeps the stream as a flat numpy array; a list of Python ints per document is what
     makes the usual tokenize-then-group approach slow and memory-hungry. The tokenizer sees at most `max_chars`
@@ -37,19 +35,16 @@ class DocumentTokenizer:
     documents' lengths.
     """
 
-    def __init__(self, tokenizer: Tokenizer, sep_id: int, trash_cutoff: float, dtype: np.dtype,
-                 max_chars: int = 1_000_000) -> None:
+    def __init__(self, tokenizer: Tokenizer, sep_id: int, dtype: np.dtype, max_chars: int = 1_000_000) -> None:
         self.tokenizer = tokenizer
         self.sep_id = sep_id
-        self.trash_cutoff = trash_cutoff
         self.dtype = dtype
         self.max_chars = max_chars
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         texts = batch.column("text").combine_chunks()
         lengths = pc.utf8_length(texts).to_numpy(zero_copy_only=False)
-        kept_ids: list[np.ndarray] = []
-        kept_chars = 0
+        document_ids: list[np.ndarray] = []
         start = 0
         while start < len(texts):
             stop = start + 1 + int(np.searchsorted(np.cumsum(lengths[start + 1:]), self.max_chars - lengths[start],
@@ -60,18 +55,12 @@ class DocumentTokenizer:
                 encodings = self.tokenizer.encode_batch_fast(texts.slice(start, stop - start).to_pylist(),
                                                              add_special_tokens=False)
                 encoded = [np.array(encoding.ids, dtype=self.dtype) for encoding in encodings]
-            for ids, characters in zip(encoded, lengths[start:stop].tolist(), strict=True):
-                if not is_incompressible(len(ids), characters, self.trash_cutoff):
-                    kept_ids.append(ids)
-                    kept_chars += characters
+            document_ids += encoded
             start = stop
         separator = np.array([self.sep_id], dtype=self.dtype)
-        stream = np.concatenate([part for ids in kept_ids for part in (ids, separator)] or [separator[:0]])
+        stream = np.concatenate([part for ids in document_ids for part in (ids, separator)] or [separator[:0]])
         return pa.table({
             "ids": pa.ListArray.from_arrays(pa.array([0, len(stream)], pa.int32()), pa.array(stream)),
-            "documents_kept": [len(kept_ids)],
-            "documents_incompressible": [len(texts) - len(kept_ids)],
-            "chars_kept": [kept_chars],
         })
 
     def _encode_long(self, document: pa.Array, length: int) -> np.ndarray:
@@ -140,13 +129,16 @@ def pack_streams(streams: Iterable[np.ndarray], writer: BlockWriter) -> int:
 
 
 def block_order(ordering: str, sentence_ends: np.ndarray, seed: int) -> np.ndarray | None:
-    """Indices giving the training order, or None to keep the packed (source) order.
+    """Indices giving the training order, or None to keep the packed order.
 
     'curriculum' is cramming's sentence-length curriculum: blocks with the most sentence-ending tokens
-    (so the shortest sentences) first; ties keep their packed order.
+    (so the shortest sentences) first. Ties, which are many (counts are small integers), are broken at random
+    with `seed`: a sort that kept the packed order would keep the consecutive blocks of one long document together.
     """
+    rng = np.random.default_rng(seed)
     if ordering == "curriculum":
-        return np.argsort(-sentence_ends.astype(np.int64), kind="stable")
+        shuffled = rng.permutation(len(sentence_ends))
+        return shuffled[np.argsort(-sentence_ends[shuffled].astype(np.int64), kind="stable")]
     if ordering == "random":
-        return np.random.default_rng(seed).permutation(len(sentence_ends))
+        return rng.permutation(len(sentence_ends))
     return None

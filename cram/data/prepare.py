@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from cram.data.cache import TMP_MARKER, atomic_directory, cache_key, default_cache_dir
-from cram.data.clean import DocumentFilter, WeightSampler
+from cram.data.clean import DocumentFilter, WeightSampler, incompressible
 from cram.data.options import DataOptions
 from cram.data.pack import BlockWriter, DocumentTokenizer, block_order, pack_streams, token_dtype
 from cram.data.sources import Source, iter_records, resolve_sources, source_identity
@@ -135,6 +135,12 @@ def _build(options: DataOptions, sources: list[Source], out_dir: Path, num_proc:
     documents_path = work_dir / "documents.arrow"
     column = _write_documents(sources, options, documents_path, stats, progress)
     documents = datasets.Dataset.from_file(str(documents_path))
+    if options.ordering != "none":
+        # As the original (pretraining_preparation.py: preprocess_dataset, raw_data.shuffle): documents are shuffled
+        # before packing, so neighbouring blocks come from unrelated documents, and a source's documents (or a
+        # weighted document's copies) are not trained on in one stretch.
+        documents = documents.shuffle(seed=options.seed).flatten_indices(
+            cache_file_name=str(work_dir / "shuffled.arrow"), new_fingerprint="shuffled")
     stats["seconds_reading"] = _lap(clock)
 
     clock = time.perf_counter()
@@ -157,15 +163,11 @@ def _build(options: DataOptions, sources: list[Source], out_dir: Path, num_proc:
     if column == "text":
         streams = _tokenized_streams(documents, tokenizer, options, dtype, work_dir, num_proc, stats)
     else:
-        streams = _pretokenized_streams(documents, stats)
+        streams = _pretokenized_streams(documents)
     stats["tokens_dropped_remainder"] = pack_streams(streams, writer)
     stats["blocks"] = writer.blocks
     stats["tokens"] = writer.blocks * options.seq_len + stats["tokens_dropped_remainder"]
     stats["tokens_per_character"] = round(stats["tokens"] / max(stats["characters"], 1), 4)
-    if stats["documents_kept"] == 0:
-        raise UserError(f"all {stats['documents_incompressible']} documents were dropped as incompressible "
-                        f"(tokens >= {options.trash_cutoff} x characters); raise --vocab_size or --trash_cutoff "
-                        "(0 keeps everything)")
     if writer.blocks == 0:
         raise UserError(f"the corpus gives {stats['tokens']} tokens after cleaning, less than one {options.seq_len}"
                         "-token block; add more text or pass a smaller --seq_len")
@@ -186,50 +188,82 @@ def _build(options: DataOptions, sources: list[Source], out_dir: Path, num_proc:
 
 
 def _write_documents(sources: list[Source], options: DataOptions, path: Path, stats: dict, progress: bool) -> str:
-    """Stream every source's kept documents into one Arrow file; return its column ('text' or 'input_ids')."""
+    """Stream every source's kept documents into one Arrow file; return its column ('text' or 'input_ids').
+
+    Every filter runs here, before the tokenizer is trained, so a dropped document gives it no token.
+    """
     document_filter = DocumentFilter(options.min_chars, options.dedup)
     counters: dict = {"invalid_utf8_skipped": 0}
     column = ""
     writer = None
-    buffer: list = []
-    read = kept = buffered_chars = 0
+    read = kept = dropped_incompressible = characters = 0
     with open(path, "wb") as file, tqdm(desc="Reading documents", unit=" docs", disable=not progress) as bar:
         for index, source in enumerate(sources):
             sampler = WeightSampler(source.weight, options.seed, index)
             records = iter_records(source, options.text_column, options.hub_config, options.hub_split,
                                    options.skip_invalid_utf8, counters)
             # The cap counts documents read, filtered or not, so a streamed source stops after max_documents.
-            for record in itertools.islice(records, options.max_documents or None):
-                (record_column, value), = record.items()
-                if column and record_column != column:
+            for batch in _record_batches(itertools.islice(records, options.max_documents or None)):
+                batch_column = _column_of(batch)
+                if column and batch_column != column:
                     raise UserError("sources mix raw text with pre-tokenized input_ids; prepare them separately")
-                column = record_column
-                read += 1
-                bar.update()
-                if column == "text" and not document_filter.keep(value):
-                    continue
-                copies = sampler.copies()
-                buffer += [value] * copies
-                kept += copies
-                buffered_chars += copies * len(value)
-                if len(buffer) >= DOCUMENT_BATCH or buffered_chars >= BATCH_CHARS:
-                    writer = _write_batch(writer, file, column, buffer)
-                    buffer, buffered_chars = [], 0
-        if buffer:
-            writer = _write_batch(writer, file, column, buffer)
+                column = batch_column
+                values = [value for record in batch for value in record.values()]
+                read += len(values)
+                bar.update(len(values))
+                if column == "text":
+                    values = [value for value in values if document_filter.keep(value)]
+                    trash = incompressible(values, options.trash_cutoff)
+                    dropped_incompressible += int(trash.sum())
+                    values = [value for value, is_trash in zip(values, trash.tolist(), strict=True) if not is_trash]
+                weighted = [value for value in values for _ in range(sampler.copies())]
+                if weighted:
+                    writer = _write_batch(writer, file, column, weighted)
+                kept += len(weighted)
+                characters += sum(map(len, weighted)) if column == "text" else 0
         if writer is not None:
             writer.close()
     stats.update(
         documents_read=read,
         documents_too_short=document_filter.too_short,
         documents_duplicate=document_filter.duplicates,
+        documents_incompressible=dropped_incompressible,
         invalid_utf8_skipped=counters["invalid_utf8_skipped"],
-        documents_after_cleaning=kept,
+        documents_kept=kept,
+        characters=characters,
     )
+    # Of the documents long enough and not duplicates, the share the trash filter kept (before source weights).
+    judged = read - document_filter.too_short - document_filter.duplicates
+    stats["kept_fraction_after_trash_filter"] = round((judged - dropped_incompressible) / max(judged, 1), 4)
+    if kept == 0 and dropped_incompressible:
+        raise UserError(f"all {dropped_incompressible} documents were dropped as incompressible (reference pieces >= "
+                        f"{options.trash_cutoff} x characters); raise --trash_cutoff (0 keeps everything)")
     if kept == 0:
         raise UserError(f"the sources hold no documents of at least {options.min_chars} characters "
                         f"({read} read); check the sources or lower --min_chars")
     return column
+
+
+def _record_batches(records: Iterator[dict]) -> Iterator[list[dict]]:
+    """Records in runs of up to DOCUMENT_BATCH documents or BATCH_CHARS characters (a long document alone)."""
+    batch: list[dict] = []
+    size = 0
+    for record in records:
+        batch.append(record)
+        value = next(iter(record.values()))
+        size += len(value)
+        if len(batch) >= DOCUMENT_BATCH or size >= BATCH_CHARS:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _column_of(batch: list[dict]) -> str:
+    columns = {name for record in batch for name in record}
+    if len(columns) > 1:
+        raise UserError("sources mix raw text with pre-tokenized input_ids; prepare them separately")
+    return columns.pop()
 
 
 def _write_batch(writer: pa.ipc.RecordBatchStreamWriter | None, file, column: str,
@@ -264,7 +298,7 @@ def _tokenized_streams(documents: datasets.Dataset, tokenizer: PreTrainedTokeniz
                        dtype: np.dtype, work_dir: Path, num_proc: int, stats: dict) -> Iterator[np.ndarray]:
     """Tokenize and filter in parallel (one worker per core), then yield each batch's token stream in order."""
     separator = document_separator_id(tokenizer)
-    tokenize = DocumentTokenizer(tokenizer.backend_tokenizer, separator, options.trash_cutoff, dtype, BATCH_CHARS)
+    tokenize = DocumentTokenizer(tokenizer.backend_tokenizer, separator, dtype, BATCH_CHARS)
     # Map batches of BATCH_CHARS on average: each yields one row of tokens, and the writer holds a batch's rows.
     characters = pc.sum(pc.utf8_length(documents.data.column("text"))).as_py() or 1
     batch_size = max(1, min(DOCUMENT_BATCH, BATCH_CHARS * len(documents) // characters))
@@ -279,20 +313,12 @@ def _tokenized_streams(documents: datasets.Dataset, tokenizer: PreTrainedTokeniz
         new_fingerprint="tokens",  # the work folder is private to this run; skip hashing the function
         desc="Tokenizing and filtering",
     )
-    counts = streams.with_format("arrow").select_columns(["documents_kept", "documents_incompressible", "chars_kept"])
-    totals = {name: int(pc.sum(counts.data.column(name)).as_py() or 0) for name in counts.column_names}
-    stats["documents_incompressible"] = totals["documents_incompressible"]
-    stats["documents_kept"] = totals["documents_kept"]
-    stats["characters"] = totals["chars_kept"]
     for table in streams.select_columns(["ids"]).with_format("arrow").iter(batch_size=8):
         yield table.column(0).combine_chunks().flatten().to_numpy()
 
 
-def _pretokenized_streams(documents: datasets.Dataset, stats: dict) -> Iterator[np.ndarray]:
+def _pretokenized_streams(documents: datasets.Dataset) -> Iterator[np.ndarray]:
     """Pre-tokenized rows already carry their separators; they are only re-cut to seq_len."""
-    stats["documents_incompressible"] = 0
-    stats["documents_kept"] = len(documents)
-    stats["characters"] = 0  # no text was seen
     for batch in documents.data.to_batches():
         yield batch.column(0).flatten().to_numpy()
 

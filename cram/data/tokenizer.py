@@ -5,26 +5,39 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from cram.data.options import BPE_SPECIAL_TOKENS, SPECIAL_TOKENS
 from cram.errors import UserError
 
 
+def cramming_normalizer(lowercase: bool) -> normalizers.Normalizer:
+    """The original's normaliser (cramming/data/tokenizer_preparation.py: _get_sane_normalizers) with the-pile.yaml's
+    settings (force_lowercase, strip_accents, force_english_keyboard: True): `` and '' become ", then NFD, lowercase,
+    strip accents, runs of spaces collapse to one, and every non-ASCII character is dropped.
+
+    With `lowercase` false, case and accents are kept: NFC instead of NFD and no ASCII-only step (it would delete
+    the accented letters themselves, which NFC keeps whole).
+    """
+    quotes = [normalizers.Replace("``", '"'), normalizers.Replace("''", '"')]
+    spaces = normalizers.Replace(Regex(" {2,}"), " ")
+    if not lowercase:
+        return normalizers.Sequence([*quotes, normalizers.NFC(), spaces])
+    return normalizers.Sequence([
+        *quotes, normalizers.NFD(), normalizers.Lowercase(), normalizers.StripAccents(), spaces,
+        normalizers.Replace(Regex(r"[^\x00-\x7F]+"), ""),
+    ])
+
+
 def train_wordpiece(texts: Iterator[str], vocab_size: int, lowercase: bool, model_max_length: int,
                     progress: bool = False) -> PreTrainedTokenizerFast:
-    """Train on `texts` with the recipe's normaliser (NFD, lowercase, strip accents) and whitespace splitting.
+    """Train on `texts` with the original's normaliser (`cramming_normalizer`) and whitespace splitting.
 
     The special tokens come first, so [PAD]=0, [UNK]=1, [CLS]=2, [SEP]=3, [MASK]=4.
     """
     tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    if lowercase:
-        tokenizer.normalizer = normalizers.Sequence(
-            [normalizers.NFD(), normalizers.Lowercase(), normalizers.StripAccents()]
-        )
-    else:
-        tokenizer.normalizer = normalizers.NFC()
+    tokenizer.normalizer = cramming_normalizer(lowercase)
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.decoder = decoders.WordPiece()
     trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=progress)

@@ -2,7 +2,7 @@
 
 The protocol defaults are the "GLUE-sane" ones of the cramming paper (REFERENCE.md section 1): AdamW lr 4e-5,
 betas (0.9, 0.98), eps 1e-6, no weight decay, batch 16, cosine decay after 10 % warm-up, 5 epochs, max length 128,
-dropout 0.1. Batches are padded to their longest member (a multiple of 8), not to the max length.
+dropout 0.1, no gradient clipping. Batches are padded to their longest member (a multiple of 8), not to the max length.
 
 Each finished (task, seed) writes `OUTPUT_DIR/results/TASK-seedN.json`; an evaluation started again with the same
 options skips those and runs only what is missing.
@@ -37,7 +37,9 @@ from cram.eval.glue_data import GlueTask, TaskData, load_task, parse_tasks
 from cram.eval.glue_report import (
     bar_chart,
     eval_results,
+    headline,
     markdown_report,
+    seed_zero,
     summarize,
     task_metrics,
     write_json,
@@ -79,6 +81,8 @@ class GlueOptions:
     batch_size: int = option(16, "examples per optimizer step (over all processes)")
     scheduler: str = option("cosine", "learning-rate schedule after warm-up (a transformers scheduler name)")
     warmup: float = option(0.1, "warm-up as a fraction of the training steps")
+    # GLUE_sane.yaml: gradient_clipping is empty, so the original never clips (Trainer's own default is 1.0).
+    max_grad_norm: float = option(0.0, "gradient clipping by global norm (0, the original's: none)")
     max_length: int = option(128, "tokens per example; longer pairs are truncated")
     dropout: float = option(0.1, "dropout while fine-tuning (checkpoints pretrained without it get it back)")
     max_train_examples: int | None = option(None, "use only the first N training examples of each task (smoke runs)")
@@ -120,6 +124,9 @@ def prepare_evaluation(options: GlueOptions, run: GlueRunOptions) -> Evaluation:
     tasks = parse_tasks(options.tasks)
     if options.seeds < 1 or options.large_task_seeds < 1:
         raise UserError("--seeds and --large-task-seeds must be at least 1: each task needs one fine-tuning.")
+    if options.max_grad_norm < 0:
+        raise UserError(
+            f"--max-grad-norm {options.max_grad_norm} is negative: give 0 (no clipping) or a norm such as 1.0.")
     if options.lora_r < 0:
         raise UserError(f"--lora-r {options.lora_r} is negative: give a rank such as 8, or 0 for full fine-tuning.")
     if options.glue_dir is not None and not Path(options.glue_dir).is_dir():
@@ -252,6 +259,7 @@ def training_arguments(evaluation: Evaluation, task: GlueTask, seed: int, num_pr
         weight_decay=options.weight_decay,
         lr_scheduler_type=options.scheduler,
         warmup_steps=options.warmup,  # below 1, transformers reads it as a fraction of the steps
+        max_grad_norm=options.max_grad_norm,  # Trainer skips clipping at 0
         bf16=evaluation.mixed_precision == "bf16",
         fp16=evaluation.mixed_precision == "fp16",
         torch_compile=evaluation.compile,
@@ -340,11 +348,14 @@ def write_report(evaluation: Evaluation, summary: dict, results: list[dict]) -> 
     options, output_dir = evaluation.options, Path(evaluation.run.output_dir)
     model_name = Path(options.model).name if Path(options.model).exists() else options.model
     seeds = {data.task.name: len(seeds_for(data.task, options)) for data in evaluation.tasks}
-    markdown = markdown_report(model_name + (f" (LoRA r={options.lora_r})" if options.lora_r else ""), summary, seeds)
+    seed0 = seed_zero(results)
+    markdown = markdown_report(model_name + (f" (LoRA r={options.lora_r})" if options.lora_r else ""), summary, seeds,
+                               seed0)
     (output_dir / "glue.md").write_text(markdown)
     trainable = {result["task"]: result["trainable_parameters"] for result in results}
     write_json(output_dir / "glue.json", {
         "model": options.model, "options": asdict(options), "seeds": seeds, "summary": summary,
+        "seed0": {"summary": seed0, "headline": headline(seed0)[0], "average": headline(seed0)[1]},
         "eval_results": eval_results(summary), "trainable_parameters": trainable,
     })
     bar_chart(model_name, summary, output_dir / "glue.png")
