@@ -1,6 +1,7 @@
 """Benchmark: training tokens/s of crammed BERT against `transformers.BertForMaskedLM`, side by side.
 
     python -m cram.bench.train_step [--layers 16] [--batch 16] [--steps 5] [--precision fp32,bf16] [--compile]
+        [--original PATH] [--profile-ops 10]
 
 Both models have the same depth, width, heads, vocabulary and sequence length, train on the same packed blocks
 through a `DataLoader` on the same device, and each timed step is the whole step: next batch (collation and
@@ -8,23 +9,32 @@ masking included), forward, backward, clipping and the optimizer update. The bas
 with Hugging Face: `BertForMaskedLM` (SDPA attention), `DataCollatorForLanguageModeling` at the same 25 % masking,
 and the optimizer `Trainer` builds by default (fused AdamW, no decay on biases and LayerNorms). With `--compile`,
 both models also run under `torch.compile` (whole model, inductor's default mode), as `--compile auto` does on
-GPUs. All contenders alternate step by step, so load on the machine affects them alike; the table reports
-medians and ratios to the eager baseline.
+GPUs. `--original PATH` adds the paper's own model, imported from a checkout of JonasGeiping/cramming at PATH
+(its `cramming/architectures` files and `crammed-bert.yaml`; needs omegaconf and einops), trained through the
+same collator and optimizer as crammed BERT. All contenders alternate step by step, so load on the machine
+affects them alike; the table reports medians and ratios to the eager baseline. After the timed steps, one more
+step of each contender runs under `torch.profiler`, and a table lists its top operators by self time, so a
+regression shows where it comes from.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import statistics
+import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import datasets
 import torch
 from tokenizers import Tokenizer
 from tokenizers.models import WordPiece
+from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DataLoader
 from transformers import (
     BertConfig,
@@ -37,7 +47,7 @@ from transformers import (
 
 from cram.data import SPECIAL_TOKENS
 from cram.data.collator import MaskedLMCollator
-from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
+from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM, attention_path_for
 from cram.train.optim import build_adamw
 
 
@@ -65,6 +75,52 @@ def trainer_default_optimizer(model: torch.nn.Module, lr: float, betas: tuple[fl
                                       adam_beta2=betas[1], adam_epsilon=eps, weight_decay=weight_decay,
                                       report_to=[], use_cpu=not torch.cuda.is_available())
         return Trainer(model=model, args=arguments).create_optimizer()
+
+
+def original_crammed_bert(checkout: Path, layers: int, hidden: int, heads: int, vocab: int, seq_len: int,
+                          ) -> torch.nn.Module:
+    """The original code's `ScriptableLMForPreTraining` from a cramming checkout, configured by its
+    `crammed-bert.yaml` with this bench's shape and dropout 0 (the yaml's 0.1 is for fine-tuning parity)."""
+    from omegaconf import OmegaConf
+
+    architectures = checkout / "cramming" / "architectures"
+    if not (architectures / "crammed_bert.py").is_file():
+        raise SystemExit(f"--original {checkout}: no cramming/architectures/crammed_bert.py there; pass a checkout "
+                         "of github.com/JonasGeiping/cramming.")
+    # A package object for the architecture files alone: the checkout's own __init__ imports its training code.
+    package = types.ModuleType("cramming_original")
+    package.__path__ = [str(architectures)]
+    sys.modules["cramming_original"] = package
+    module = importlib.import_module("cramming_original.crammed_bert")
+    arch = OmegaConf.load(checkout / "cramming" / "config" / "arch" / "crammed-bert.yaml")
+    arch.sparse_prediction = 0.25  # cfg_pretrain: train.objective.mlm_probability, which the yaml interpolates
+    arch.num_transformer_layers, arch.hidden_size, arch.intermed_size = layers, hidden, 4 * hidden
+    arch.hidden_dropout_prob = arch.embedding.dropout_prob = arch.attention.dropout_prob = 0.0
+    arch.classification_head.classifier_dropout = 0.0
+    arch.embedding.max_seq_length, arch.embedding.embedding_dim = seq_len, hidden
+    arch.attention.num_attention_heads = heads
+    return module.construct_crammed_bert(arch, vocab)
+
+
+class OriginalOutputs(torch.nn.Module):
+    """The original model with its dict output read as `.loss`, like the Hugging Face models' outputs."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, **batch) -> types.SimpleNamespace:
+        return types.SimpleNamespace(loss=self.model(**batch)["loss"])
+
+
+def top_ops(step: Callable[[], float], count: int) -> list[tuple[str, float, int]]:
+    """(operator, self milliseconds, calls) of one step's `count` most expensive operators, by self time."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as profiler:
+        step()
+    device_time = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    events = sorted(profiler.key_averages(), key=lambda event: getattr(event, device_time), reverse=True)
+    return [(event.key, getattr(event, device_time) / 1000, event.count) for event in events[:count]]
 
 
 def endless(loader: DataLoader) -> Iterator[dict]:
@@ -106,6 +162,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per model")
     parser.add_argument("--precision", default="fp32,bf16", help="comma-separated: fp32, bf16 (autocast)")
     parser.add_argument("--compile", action="store_true", help="add both models under torch.compile")
+    parser.add_argument("--original", type=Path, help="a checkout of JonasGeiping/cramming: add its model")
+    parser.add_argument("--profile-ops", type=int, default=10, help="top operators per contender to list (0: none)")
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 0 or args.batch < 1:
         parser.error("--steps and --batch must be at least 1, --warmup at least 0")
@@ -131,6 +189,11 @@ def main() -> None:
         "HF BertForMaskedLM": (baseline, trainer_default_optimizer(baseline, 1e-3, (0.9, 0.98), 1e-12, 0.01),
                                DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.25)),
     }
+    if args.original is not None:
+        original = OriginalOutputs(original_crammed_bert(
+            args.original, args.layers, args.hidden, args.heads, args.vocab, args.seq_len)).to(device)
+        contenders["original cramming"] = (original, build_adamw(original, 1e-3, (0.9, 0.98), 1e-12, 0.01),
+                                           MaskedLMCollator.for_tokenizer(tokenizer, mask_fraction=0.25))
     if args.compile:  # the same modules, parameters and optimizers, called through the compiled wrapper
         contenders.update({f"{name}, compiled": (torch.compile(model), optimizer, collator)
                            for name, (model, optimizer, collator) in list(contenders.items())})
@@ -141,8 +204,10 @@ def main() -> None:
     for name, (model, _, _) in contenders.items():
         print(f"  {name}: {sum(p.numel() for p in model.parameters()):,} parameters")
 
-    rows = []
+    rows, profiles = [], []
     for precision in args.precision.split(","):
+        low_precision = precision == "bf16"
+        print(f"{precision}: crammed BERT's attention path: {attention_path_for(device.type, low_precision)}")
         steps = {
             name: make_step(model, optimizer, endless(DataLoader(blocks, batch_size=args.batch, collate_fn=collator)),
                             precision)
@@ -160,11 +225,21 @@ def main() -> None:
         for name, median in medians.items():
             spread = (max(seconds[name]) - min(seconds[name])) / 2
             rows.append((precision, name, median, spread, tokens_per_step / median, base / median))
+        if args.profile_ops > 0:
+            profiles += [(precision, name, top_ops(step, args.profile_ops)) for name, step in steps.items()]
 
     print("\n| precision | model | s/step (median ± half-range) | tokens/s | speed-up vs HF |")
     print("|---|---|---|---|---|")
     for precision, name, median, spread, throughput, ratio in rows:
         print(f"| {precision} | {name} | {median:.3f} ± {spread:.3f} | {throughput:,.0f} | {ratio:.2f}x |")
+    if profiles:
+        unit = "self device ms" if torch.cuda.is_available() else "self CPU ms"
+        print(f"\nTop operators of one profiled step (torch.profiler, {unit}):")
+        print(f"\n| precision | model | operator | {unit} | calls |")
+        print("|---|---|---|---|---|")
+        for precision, name, operators in profiles:
+            for operator, milliseconds, calls in operators:
+                print(f"| {precision} | {name} | {operator} | {milliseconds:,.1f} | {calls} |")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,14 @@ from cram.train.curves import write_training_curves
 from cram.train.loop import train
 from cram.train.optim import optimizer_state_bytes
 from cram.train.preemption import Preemption
-from cram.train.runtime import COLLECTIVE_TIMEOUT_MINUTES, build_accelerator, is_compiled, parameter_counts, shut_down
+from cram.train.runtime import (
+    COLLECTIVE_TIMEOUT_MINUTES,
+    build_accelerator,
+    compile_reason,
+    is_compiled,
+    parameter_counts,
+    shut_down,
+)
 from cram.train.state import TrainState
 from cram.train.trackers import TRACKERS, flatten_config
 
@@ -179,6 +186,7 @@ class RecipeRun:
                 **resolved_extras,
                 "mixed_precision": accelerator.mixed_precision,
                 "compile": self.use_compile,
+                "compile_reason": compile_reason(self.options.compile, self.device_type),
                 "distributed_type": str(accelerator.distributed_type),
                 "num_processes": accelerator.num_processes,
                 "device": device_name(accelerator.device),

@@ -84,12 +84,31 @@ def cpu_has_bf16_units() -> bool:
 
 
 def resolve_compile(choice: str, device_type: str) -> bool:
-    """Whether to `torch.compile`: `auto` compiles on GPUs Triton supports (compute capability 7.0 and newer)."""
+    """Whether to `torch.compile`; `compile_reason` says why, for the resolved options.
+
+    `auto` compiles only where a measurement showed it helps: on GPUs Triton supports (compute capability 7.0
+    and newer). On the CPU, `make bench --compile` measured inductor's compiled crammed-BERT step 1.49× slower
+    than the eager one (README, bench section), so `auto` leaves it off there.
+    """
+    return compile_decision(choice, device_type)[0]
+
+
+def compile_reason(choice: str, device_type: str) -> str:
+    """Why `resolve_compile` decided as it did, in a phrase."""
+    return compile_decision(choice, device_type)[1]
+
+
+def compile_decision(choice: str, device_type: str) -> tuple[bool, str]:
     if choice not in COMPILE_CHOICES:
         raise UserError(f"unknown --compile value {choice!r}: choose one of {', '.join(COMPILE_CHOICES)}.")
     if choice != "auto":
-        return choice == "true"
-    return device_type == "cuda" and torch.cuda.get_device_capability()[0] >= 7
+        return choice == "true", f"--compile {choice} asked for it"
+    if device_type != "cuda":
+        return False, "auto: off on the CPU, where make bench measured the compiled step slower than the eager one"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 7:
+        return False, f"auto: off on a GPU of compute capability {major}.{minor}, below Triton's 7.0"
+    return True, f"auto: on for a GPU of compute capability {major}.{minor} (Triton's inductor kernels)"
 
 
 def enable_tf32() -> None:

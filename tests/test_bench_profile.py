@@ -1,0 +1,27 @@
+"""`make bench`'s profile table and its `--original` check."""
+
+import pytest
+import torch
+
+from cram.bench.train_step import original_crammed_bert, top_ops
+
+
+def test_top_ops_lists_a_steps_most_expensive_operators_first():
+    weight = torch.randn(256, 256, requires_grad=True)
+
+    def step() -> float:
+        loss = (torch.randn(64, 256) @ weight).relu().sum()
+        loss.backward()
+        return loss.item()
+
+    operators = top_ops(step, 3)
+    assert len(operators) == 3
+    names = [name for name, _, _ in operators]
+    assert "aten::mm" in names  # the forward and backward matmuls dominate this step
+    times = [milliseconds for _, milliseconds, _ in operators]
+    assert times == sorted(times, reverse=True) and all(calls >= 1 for _, _, calls in operators)
+
+
+def test_original_needs_a_cramming_checkout(tmp_path):
+    with pytest.raises(SystemExit, match="checkout of github.com/JonasGeiping/cramming"):
+        original_crammed_bert(tmp_path, layers=1, hidden=64, heads=2, vocab=128, seq_len=16)

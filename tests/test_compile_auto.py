@@ -1,0 +1,50 @@
+"""`--compile auto`: compile only where a measurement showed it helps, and record why in the resolved options."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from cram.errors import UserError
+from cram.train import runtime
+from cram.train.run import RecipeRun, RunOptions
+from cram.train.runtime import compile_reason, resolve_compile
+from cram.train.state import TrainState
+
+
+def test_auto_leaves_the_cpu_eager_and_says_why():
+    assert resolve_compile("auto", "cpu") is False
+    assert "CPU" in compile_reason("auto", "cpu") and "slower" in compile_reason("auto", "cpu")
+
+
+@pytest.mark.parametrize("capability, compiled", [((6, 1), False), ((7, 0), True), ((9, 0), True)])
+def test_auto_compiles_on_gpus_triton_supports(monkeypatch, capability, compiled):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: capability)
+    assert resolve_compile("auto", "cuda") is compiled
+    assert f"{capability[0]}.{capability[1]}" in compile_reason("auto", "cuda")
+
+
+@pytest.mark.parametrize("choice", ["true", "false"])
+def test_an_explicit_choice_wins_and_is_named_as_the_reason(choice):
+    for device_type in ("cpu", "cuda"):
+        assert resolve_compile(choice, device_type) is (choice == "true")
+        assert compile_reason(choice, device_type) == f"--compile {choice} asked for it"
+
+
+def test_an_unknown_choice_is_refused_in_one_sentence():
+    with pytest.raises(UserError, match="choose one of auto, true, false"):
+        compile_reason("yes", "cpu")
+
+
+@dataclasses.dataclass
+class Training:
+    max_steps: int = 1
+
+
+def test_the_resolved_options_record_the_choice_and_its_reason(tmp_path, monkeypatch):
+    monkeypatch.setattr(runtime, "launch_device_type", lambda: "cpu")
+    run = RecipeRun("cram", RunOptions(output_dir=str(tmp_path), precision="fp32", compile="auto"))
+    run.start_trackers(Training(), {}, TrainState())
+    resolved = run.resolved["resolved"]
+    assert resolved["compile"] is False
+    assert resolved["compile_reason"] == compile_reason("auto", "cpu")
