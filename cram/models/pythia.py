@@ -180,22 +180,26 @@ class _gathered:
 
 
 def build_pythia_model(
-    name: str, config: GPTNeoXConfig | None = None, device: str | torch.device = "cpu"
+    name: str, config: GPTNeoXConfig | None = None, device: str | torch.device | None = None
 ) -> GPTNeoXForCausalLM:
     """A GPTNeoXForCausalLM of size `name` (at `config`, else `pythia_config(name)`), initialised as released.
 
     Under a DeepSpeed ZeRO-3 launch (with zero3_init_flag) the model is built by transformers under
     `deepspeed.zero.Init`, partitioned as it is built, and initialised gathered module by module. Otherwise it is
-    built on the meta device (no memory, no throwaway init) and materialised on `device`; the init is drawn once,
-    from torch's global generator, so a seeded run draws the same weights on every process.
+    built on the meta device (no memory, no throwaway init) and materialised on `device` (unset: torch's default
+    device; where that is the meta device, as when counting parameters, the weightless model is returned as is).
+    The init is drawn once, from torch's global generator, so a seeded run draws the same weights on every process.
     """
     check_size(name)
     config = config if config is not None else pythia_config(name)
+    device = torch.device(device) if device is not None else torch.get_default_device()
     if is_deepspeed_zero3_enabled():
         model = GPTNeoXForCausalLM._from_config(config)
     else:
         with torch.device("meta"):
             model = GPTNeoXForCausalLM(config)
+        if device.type == "meta":
+            return model
         model.to_empty(device=device)
     initialize_pythia_weights(model, name)
     return model
