@@ -112,7 +112,8 @@ def type_stds(model: torch.nn.Module) -> dict[str, float]:
     for name, param in model.named_parameters():
         kind = weight_type(name)
         if kind is None:
-            assert torch.equal(param, torch.ones_like(param) if name.endswith("norm.weight") else torch.zeros_like(param))
+            start = torch.ones_like(param) if name.endswith("norm.weight") else torch.zeros_like(param)
+            assert torch.equal(param, start), name
         else:
             groups.setdefault(kind, []).append(param.detach().float().flatten())
     return {kind: torch.cat(values).std().item() for kind, values in groups.items()}

@@ -15,13 +15,16 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 from hub_standin import HubStandIn
 from recipe_import import load_recipe
+from safetensors.torch import load as load_safetensors
 from transformers import AutoModelForCausalLM
 
-from cram.data.megatron import tokenized_documents, write_megatron
+from cram.data.megatron import gpt_neox_index_paths, tokenized_documents, write_megatron
 from cram.data.tokenizer import train_byte_level_bpe
 from cram.errors import UserError
+from cram.models.pythia import pythia_recipe, weight_type
 from cram.train.checkpoint import STATE_FILE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,6 +125,20 @@ def test_a_single_process_run_trains_and_writes_model_summary_and_curves(single_
 
 
 @pytest.mark.slow
+def test_the_run_trains_with_the_configs_weight_decay_lr_curve_and_says_its_precision(single_process, megatron_data):
+    optimizer = torch.load(single_process / "checkpoints" / "step-00000004" / "optimizer.bin", weights_only=False)
+    assert [group["weight_decay"] for group in optimizer["param_groups"]] == [0.1, 0.0]  # none on biases, norms
+    recipe = pythia_recipe("pythia-14m")
+    for row in history(single_process):  # row k is logged after step k, which ran at lr(k - 1) of a 5-step curve
+        assert row["lr"] == pytest.approx(recipe.lr_at(row["step"] - 1, train_steps=5), rel=1e-12, abs=0.0)
+    resolved = json.loads((single_process / "final" / "cram_options.json").read_text())["resolved"]
+    assert resolved["weight_decay"] == 0.1 and resolved["released_precision"] == "fp16"
+    assert resolved["precision_departure"] == "pythia-14m trained in fp16; this run uses --precision fp32 as asked"
+    # The Megatron file is one entry per document: the run read it through GPT-NeoX's index, cached beside it.
+    assert all(path.is_file() for path in gpt_neox_index_paths(megatron_data[0], 32, 21))
+
+
+@pytest.mark.slow
 def test_zero1_on_two_processes_matches_one_process_and_pushes_pythia_revisions(single_process, zero1_pushed):
     output_dir, hub = zero1_pushed
     assert_same_losses(history(output_dir), history(single_process))
@@ -132,6 +149,17 @@ def test_zero1_on_two_processes_matches_one_process_and_pushes_pythia_revisions(
     assert {"step0", "step1", "step2", "step4", "main"} <= set(stored.branches)
     assert "config.json" in stored.branches["step4"] and "model.safetensors" in stored.branches["main"]
     assert hub.unknown_routes == []
+    # DeepSpeed got the released fp16 loss scaling (the JSON says 2^16), enabled or not by the precision.
+    fp16 = options["deepspeed_fp16"]
+    assert (fp16["loss_scale"], fp16["initial_scale_power"], fp16["loss_scale_window"], fp16["hysteresis"],
+            fp16["min_loss_scale"]) == (0, 12, 1000, 2, 1)
+    # The step-0 revision is the released init (small_init / wang_init at width 128, depth 6) as saved.
+    weights = load_safetensors(stored.branches["step0"]["model.safetensors"])
+    small, wang = (2 / (5 * 128)) ** 0.5, 2 / (6 * 128**0.5)
+    for kind, expected in [("embed_in", small), ("query_key_value", small), ("dense_h_to_4h", small),
+                           ("lm_head", small), ("attention.dense", wang), ("dense_4h_to_h", wang)]:
+        values = torch.cat([tensor.float().flatten() for name, tensor in weights.items() if weight_type(name) == kind])
+        assert values.std().item() == pytest.approx(expected, rel=0.03), kind
 
 
 @pytest.mark.slow

@@ -13,7 +13,6 @@ GPT-NeoX trained Pythia on 2049-token sequences. Sources, by what the path is:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset

@@ -100,9 +100,10 @@ def init_stds(name: str, config: GPTNeoXConfig) -> dict[str, float]:
     """The std of the normal init of each weight type of `name` at `config`'s width d and depth L.
 
     GPT-NeoX v1.0 applies `init_method` to the input embedding, the QKV projection, dense_h_to_4h and the output
-    layer (lm_head), and `output_layer_init_method` to attention.dense and dense_4h_to_h (`megatron/model/transformer.py`,
-    `gpt2_model.py`). small_init = sqrt(2 / (5d)); wang_init = 2 / (L·sqrt(d)); normal = 0.02; scaled_normal =
-    0.02 / sqrt(2L) (`megatron/model/init_functions.py`). Biases start at 0, LayerNorms at weight 1, bias 0.
+    layer (lm_head), and `output_layer_init_method` to attention.dense and dense_4h_to_h
+    (`megatron/model/transformer.py`, `gpt2_model.py`). small_init = sqrt(2 / (5d)); wang_init = 2 / (L·sqrt(d));
+    normal = 0.02; scaled_normal = 0.02 / sqrt(2L) (`megatron/model/init_functions.py`). Biases start at 0,
+    LayerNorms at weight 1, bias 0.
     """
     width, depth = config.hidden_size, config.num_hidden_layers
     if check_size(name).init == SMALL_AND_WANG:
