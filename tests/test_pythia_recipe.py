@@ -178,6 +178,55 @@ def test_zero3_stopped_by_sigterm_resumes_to_the_uninterrupted_losses(
 
 
 @pytest.fixture(scope="module")
+def another_seed(tmp_path_factory, recipe_env, megatron_data) -> Path:
+    """One process, seed 7, keeping every training state: our run for the replication check."""
+    output_dir = tmp_path_factory.mktemp("seed7") / "run"
+    command = [sys.executable, *recipe_arguments(megatron_data, output_dir, 2, "--seed", "7", "--keep-checkpoints",
+                                                 "10")]
+    completed = subprocess.run(command, env=recipe_env, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return output_dir
+
+
+@pytest.mark.slow
+def test_the_replication_check_compares_a_run_with_a_reference_step_by_step(
+    tmp_path, megatron_data, zero1_pushed, another_seed, capsys
+):
+    """The reference: the ZeRO-1 run's pushed stepN revisions (seed 1234) as a local folder of revisions; ours:
+    the seed-7 run. Same recipe, other init: the gap is small but not zero."""
+    from cram.eval.replication import main as replication
+
+    _, hub = zero1_pushed
+    reference = tmp_path / "reference"
+    for branch, files in hub.repos["lab/pythia-tiny"].branches.items():
+        if branch.startswith("step"):
+            for name, content in files.items():
+                (reference / branch / name).parent.mkdir(parents=True, exist_ok=True)
+                (reference / branch / name).write_bytes(content)
+    prefix, _ = megatron_data
+    with pytest.raises(UserError, match=r"has no revision step5 .* the reference has 0, 1, 2, 4\.$"):
+        replication([str(another_seed), "--reference", str(reference), "--data", str(prefix)])  # ours also has 5
+    replication([str(another_seed), "--reference", str(reference), "--data", str(prefix), "--steps", "0,1,2,4"])
+    result = json.loads((another_seed / "replication" / "replication.json").read_text())
+    assert [row["step"] for row in result["rows"]] == [0, 1, 2, 4]
+    assert [row["first_sequence"] for row in result["rows"]] == [0, 4, 8, 16]  # the batch of step N: B·N on
+    for row in result["rows"]:
+        assert 0 < abs(row["gap"]) < 0.5 and row["gap"] == pytest.approx(row["ours"] - row["reference"])
+    losses = history(another_seed)  # step 1's logged loss is the step-0 model on the batch of step 0
+    assert result["rows"][0]["ours"] == pytest.approx(losses[0]["loss"], abs=1e-4)
+    largest = max(result["rows"], key=lambda row: abs(row["gap"]))
+    assert result["largest_gap"] == {"step": largest["step"], "gap": largest["gap"]}
+    small, wang = (2 / (5 * 128)) ** 0.5, 2 / (6 * 128**0.5)
+    for side in ("ours", "reference"):
+        stds = result["init_std"][side]
+        assert stds["embed_in"] == pytest.approx(small, rel=0.03)
+        assert stds["dense_4h_to_h"] == pytest.approx(wang, rel=0.03)
+    assert result["init_std"]["ours"] != result["init_std"]["reference"]  # another seed, another draw
+    assert (another_seed / "replication" / "replication.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Largest gap" in (another_seed / "replication" / "replication.md").read_text()
+
+
+@pytest.fixture(scope="module")
 def recipe_module() -> ModuleType:
     """recipes/pythia.py imported into this process, so bad input is checked without starting Python each time."""
     return load_recipe(RECIPE, "pythia_recipe")

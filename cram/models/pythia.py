@@ -120,6 +120,8 @@ def weight_type(parameter_name: str) -> str | None:
     LayerNorms."""
     if not parameter_name.endswith(".weight") or "layernorm" in parameter_name or "final_layer_norm" in parameter_name:
         return None
+    if parameter_name == "embed_out.weight":  # the name saved checkpoints (ours and the released) use
+        return "lm_head"
     for kind in ("embed_in", "query_key_value", "dense_h_to_4h", "lm_head", "attention.dense", "dense_4h_to_h"):
         if f"{kind}.weight" in parameter_name:
             return kind
