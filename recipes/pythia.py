@@ -175,7 +175,8 @@ def main() -> None:
         "data": {"set": data.name, "sequences": len(data.sequences)},
         "launch": {"distributed_type": str(accelerator.distributed_type), "num_processes": accelerator.num_processes},
     })
-    model = build_pythia_model(training.size, config)
+    plugin = accelerator.state.deepspeed_plugin  # zero.Init only where the launch config asks for it
+    model = build_pythia_model(training.size, config, zero_init=plugin is not None and plugin.is_zero3_init_enabled())
     if implementation.activation_checkpointing:
         model.gradient_checkpointing_enable({"use_reentrant": False})
     optimizer = build_adamw(model, peak_lr, recipe.betas, recipe.eps, recipe.weight_decay)

@@ -184,13 +184,18 @@ ZERO3_BUILD = textwrap.dedent("""
     model = build_pythia_model("pythia-14m")
     assert all(param.ds_tensor is not None and param.numel() == 0 for param in model.parameters())  # partitioned
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
-        torch.save({name: param.detach().clone() for name, param in model.named_parameters()}, sys.argv[2])
+        weights = {name: param.detach().clone() for name, param in model.named_parameters()}
+    torch.manual_seed(0)
+    plain = build_pythia_model("pythia-14m", zero_init=False)  # the meta-device path, as without ZeRO-3
+    assert all(torch.equal(weights[name], param) for name, param in plain.named_parameters())  # the same draws
+    torch.save(weights, sys.argv[2])
 """)
 
 
 @pytest.mark.slow
 def test_the_init_holds_under_zero3_zero_init(tmp_path):
-    """Built under deepspeed.zero.Init (one gloo process), the gathered weights have the released init."""
+    """Built under deepspeed.zero.Init (one gloo process), the gathered weights have the released init, drawn
+    exactly as the meta-device build draws them from the same seed."""
     import socket
 
     with socket.socket() as probe:

@@ -183,27 +183,33 @@ class _gathered:
 
 
 def build_pythia_model(
-    name: str, config: GPTNeoXConfig | None = None, device: str | torch.device | None = None
+    name: str, config: GPTNeoXConfig | None = None, device: str | torch.device | None = None,
+    zero_init: bool | None = None,
 ) -> GPTNeoXForCausalLM:
     """A GPTNeoXForCausalLM of size `name` (at `config`, else `pythia_config(name)`), initialised as released.
 
-    Under a DeepSpeed ZeRO-3 launch (with zero3_init_flag) the model is built by transformers under
-    `deepspeed.zero.Init`, partitioned as it is built, and initialised gathered module by module. Otherwise it is
-    built on the meta device (no memory, no throwaway init) and materialised on `device` (unset: torch's default
-    device; where that is the meta device, as when counting parameters, the weightless model is returned as is).
-    The init is drawn once, from torch's global generator, so a seeded run draws the same weights on every process.
+    With `zero_init` (unset: whenever transformers sees a ZeRO-3 DeepSpeed config; a recipe passes its launch's
+    `zero3_init_flag`) the model is built by transformers under `deepspeed.zero.Init`, partitioned as it is built,
+    and initialised gathered module by module. Otherwise it is built on the meta device (no memory, no throwaway
+    init) and materialised on `device` (unset: torch's default device; where that is the meta device, as when
+    counting parameters, the weightless model is returned as is). Either way the init is drawn once, from torch's
+    generator as it stood on entry, in the same order: a seeded run draws the same weights on every process and
+    under every launch.
     """
     check_size(name)
     config = config if config is not None else pythia_config(name)
     device = torch.device(device) if device is not None else torch.get_default_device()
-    if is_deepspeed_zero3_enabled():
-        model = GPTNeoXForCausalLM._from_config(config)
-    else:
+    zero_init = is_deepspeed_zero3_enabled() if zero_init is None else zero_init
+    if not zero_init and device.type == "meta":
         with torch.device("meta"):
-            model = GPTNeoXForCausalLM(config)
-        if device.type == "meta":
-            return model
-        model.to_empty(device=device)
+            return GPTNeoXForCausalLM(config)
+    with torch.random.fork_rng():  # transformers' own init under zero.Init draws too: keep ours from seeing it
+        if zero_init:
+            model = GPTNeoXForCausalLM._from_config(config)
+        else:
+            with torch.device("meta"):
+                model = GPTNeoXForCausalLM(config)
+            model.to_empty(device=device)
     initialize_pythia_weights(model, name)
     return model
 
