@@ -62,8 +62,8 @@ def model_config(name: str, seq_len: int) -> PretrainedConfig:
 
 
 def build_model(config: PretrainedConfig) -> torch.nn.Module:
-    if isinstance(config, GPTNeoXConfig):  # initialised as released: an fp16 step is timed on the real scales
-        return build_pythia_model(pythia_size_of(config), config)
+    if isinstance(config, GPTNeoXConfig):  # initialised as released; built whole, as before, not under zero.Init
+        return build_pythia_model(pythia_size_of(config), config, zero_init=False)
     return CrammedBertForMaskedLM(config)
 
 
