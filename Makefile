@@ -104,6 +104,14 @@ pythia-smoke: setup
 			--output-dir runs/pythia-smoke/$$stage || exit $$?; \
 	done
 
+# A finished run against the released model, step by step (cram/eval/replication.py), e.g.
+# `make pythia-replicate RUN=runs/pythia-160m-4xa100 REFERENCE=EleutherAI/pythia-160m DATA=pile/document`.
+.PHONY: pythia-replicate
+pythia-replicate: pythia-data setup
+	@test -n "$(RUN)" && test -n "$(REFERENCE)" || { echo "error: pass RUN=OUTPUT_DIR of a finished run and REFERENCE=EleutherAI/pythia-SIZE (or a folder of stepN revisions)." >&2; exit 2; }
+	$(BIN)/python -m cram.eval.replication $(RUN) --reference $(REFERENCE) --data $(DATA) --tokenizer $(TOKENIZER) \
+		$(if $(STEPS),--steps $(STEPS))
+
 # The planner: which configuration trains MODEL fastest on the hardware ACCEL_CONFIG describes, and what the run costs.
 MODEL ?= pythia-1b
 ACCEL_CONFIG ?= accel_configs/1gpu.yaml

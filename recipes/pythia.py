@@ -3,12 +3,16 @@
     accelerate launch --config_file accel_configs/4xa100.yaml recipes/pythia.py --size pythia-1b \\
         --data pile/document --tokenizer EleutherAI/gpt-neox-20b --micro-batch-size 16
 
-The recipe is EleutherAI's: 143,000 steps of 1024 sequences × 2048 tokens, Adam betas (0.9, 0.95), eps 1e-8,
-weight decay 0.01, warm-up over 1 % of the steps then cosine decay to 10 % of the peak, clipping 1.0. The global
+The recipe is EleutherAI's training configs' (models/*/pythia-*.yml at GPT-NeoX v1.0): 143,000 steps of
+1024 sequences × 2048 tokens, Adam betas (0.9, 0.95), eps 1e-8, weight decay 0.1, GPT-NeoX's AnnealingLR (warm-up
+over 1 % of the steps, then cosine until it meets 10 % of the peak near step 115,139), clipping 1.0, the released
+init (small_init / wang_init; GPT-NeoX's defaults for 6.9b and 12b), fp16 with dynamic loss scaling from 2^12
+(pythia-1b: bf16). pythia-1b's peak lr is its config's 2.5e-4, not the 3e-4 of the Pythia README's table. The global
 batch is reached by accumulation over whatever processes the launch config starts (DeepSpeed's own under ZeRO).
 Training states are saved at Pythia's 154 checkpoint steps, pushed with --push-checkpoints as the Hub revisions
 stepN the released models use; a preempted run continues with --resume auto. On the pre-shuffled Pile, step k
-trains on exactly the sequences the released model saw at step k.
+trains on exactly the sequences the released model saw at step k; on a document-level Megatron file (the
+*_idxmaps release) it trains on the samples GPT-NeoX's own index gives (built once and cached beside the file).
 """
 
 from __future__ import annotations
@@ -16,24 +20,23 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 # This script's folder must not shadow the `cram` package on the import path (recipes/cram.py lives there).
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 
 from accelerate.utils import set_seed
-from transformers import GPTNeoXForCausalLM, HfArgumentParser
+from transformers import HfArgumentParser
 
 from cram.cli import option, parse_strictly
-from cram.data import is_prepared
-from cram.data.causal import CausalData, causal_data_to_prepare, causal_lm_batch, load_causal_data
+from cram.data.causal import CausalData, causal_data_ready, causal_lm_batch, load_causal_data
 from cram.errors import UserError, run_cli
 from cram.hub import ModelCardFacts
 from cram.models.pythia import (
     PYTHIA_SIZES,
+    PythiaRecipe,
+    build_pythia_model,
     check_size,
-    cosine_with_warmup,
     gpt_neox_parameters,
     pythia_checkpoint_steps,
     pythia_config,
@@ -44,7 +47,15 @@ from cram.train.memory import check_model_fits
 from cram.train.optim import build_adamw
 from cram.train.ramp import full_accumulation
 from cram.train.run import RecipeRun, RunOptions, check_run_options
-from cram.train.runtime import configure_deepspeed, enable_tf32, local_main_first
+from cram.train.runtime import (
+    PRECISIONS,
+    configure_deepspeed,
+    enable_tf32,
+    fp16_loss_scaling,
+    gpu_has_bf16_units,
+    launch_device_type,
+    local_main_first,
+)
 from cram.train.sampling import stream_loader
 from cram.train.state import TrainState
 from cram.train.throughput import gpt_neox_flops_per_token
@@ -67,7 +78,9 @@ class TrainingOptions:
     micro_batch_size: int = option(8, "sequences per forward pass per process")
     vocab_size: int | None = option(
         None, "embedding rows; unset means the size's (50304 for most); smaller fits a small local BPE")
-    lr: float | None = option(None, "peak learning rate; unset means the size's (3e-4 for pythia-1b)")
+    lr: float | None = option(
+        None, "peak learning rate; unset means the size's config's (pythia-1b: 2.5e-4 per pythia-1b.yml, where the "
+              "Pythia README's table says 3e-4)")
     seed: int = option(1234, "random seed (of the initial weights; the data order is the data's)")
 
 
@@ -77,6 +90,9 @@ class ImplementationOptions(RunOptions):
 
     output_dir: str = option(
         "runs/pythia", "where the run writes: the model lands in OUTPUT_DIR/final, training states in checkpoints/")
+    precision: str = option(
+        "released", "released (fp16 with loss scaling from 2^12; bf16 for pythia-1b; the nearest the device can do "
+                    "otherwise, said in the log), auto, bf16, fp16 or fp32")
     push_checkpoints: bool = option(
         False, "also push the model at each of Pythia's checkpoint steps to the Hub, as the revision stepN")
     device_memory_gib: float | None = option(
@@ -97,13 +113,31 @@ def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
         if value is not None and value <= 0:
             raise UserError(f"--{name.replace('_', '-')} {value} is not positive: give a positive number.")
     check_run_options(implementation)
+    if implementation.precision not in ("released", *PRECISIONS):
+        raise UserError(f"unknown precision {implementation.precision!r}: choose released or one of "
+                        f"{', '.join(PRECISIONS)}.")
     return training, implementation
+
+
+def choose_precision(recipe: PythiaRecipe, asked: str, device_type: str) -> tuple[str, str | None]:
+    """The --precision value to launch with, and a sentence for the log when it is not the released precision."""
+    released = recipe.precision
+    if asked == "released":
+        if device_type != "cuda":
+            return "auto", f"{recipe.name} trained in {released}; the CPU cannot, so this run uses --precision auto"
+        if released == "bf16" and not gpu_has_bf16_units():
+            return "fp16", f"{recipe.name} trained in bf16, which this GPU lacks; this run uses fp16"
+        return released, None
+    if asked != released:
+        return asked, f"{recipe.name} trained in {released}; this run uses --precision {asked} as asked"
+    return asked, None
 
 
 def main() -> None:
     # Parse: everything a user can get wrong is checked before any step runs.
     training, implementation = parse_options()
     recipe = pythia_recipe(training.size)
+    implementation.precision, departure = choose_precision(recipe, implementation.precision, launch_device_type())
     max_steps = training.max_steps or recipe.train_steps
     seq_len = training.seq_len or recipe.seq_len
     global_batch = training.global_batch_size or recipe.global_batch_size
@@ -114,15 +148,25 @@ def main() -> None:
     accelerator = run.accelerator
     accumulation = full_accumulation(global_batch, training.micro_batch_size, accelerator.num_processes)
     configure_deepspeed(accelerator, training.micro_batch_size, global_batch, recipe.max_grad_norm)
+    scaling = recipe.loss_scaling
+    replaced = fp16_loss_scaling(accelerator, scaling.initial_scale_power, scaling.window, scaling.hysteresis,
+                                 scaling.min_scale)
+    if run.is_main_process:
+        if departure:
+            print(f"precision: {departure} (mixed precision {accelerator.mixed_precision})")
+        if replaced:
+            print(f"fp16 loss scaling as released, replacing the DeepSpeed JSON's {', '.join(replaced)}")
     check_model_fits(gpt_neox_parameters(config), accelerator, implementation.device_memory_gib, training.size)
     set_seed(training.seed)
     enable_tf32()
 
     # Build: data, model, optimizer.
-    data_arguments = (training.data, seq_len, config.vocab_size, training.tokenizer, implementation.cache_dir)
-    to_prepare = causal_data_to_prepare(*data_arguments)  # other processes poll it: no timeout while one prepares
+    # The last argument: the sequences the run reads, which GPT-NeoX's index of a document-level file must cover.
+    data_arguments = (training.data, seq_len, config.vocab_size, training.tokenizer, implementation.cache_dir,
+                      max_steps * global_batch)
+    # Other processes poll for the prepared data or index: no collective timeout while one process builds it.
     data = local_main_first(accelerator, lambda: load_causal_data(*data_arguments),
-                            ready=lambda: to_prepare is None or is_prepared(to_prepare))
+                            ready=lambda: causal_data_ready(*data_arguments))
     if run.is_main_process:
         print(f"data: {data.description}")
     check_vocabulary(data, config.vocab_size)
@@ -131,7 +175,8 @@ def main() -> None:
         "data": {"set": data.name, "sequences": len(data.sequences)},
         "launch": {"distributed_type": str(accelerator.distributed_type), "num_processes": accelerator.num_processes},
     })
-    model = GPTNeoXForCausalLM(config)
+    plugin = accelerator.state.deepspeed_plugin  # zero.Init only where the launch config asks for it
+    model = build_pythia_model(training.size, config, zero_init=plugin is not None and plugin.is_zero3_init_enabled())
     if implementation.activation_checkpointing:
         model.gradient_checkpointing_enable({"use_reentrant": False})
     optimizer = build_adamw(model, peak_lr, recipe.betas, recipe.eps, recipe.weight_decay)
@@ -143,8 +188,11 @@ def main() -> None:
     ))
     run.start_trackers(training, {
         "max_steps": max_steps, "seq_len": seq_len, "global_batch_size": global_batch, "peak_lr": peak_lr,
-        "accumulation": accumulation, "warmup_steps": round(recipe.warmup_fraction * max_steps),
-        "vocab_size": config.vocab_size, "data": data.name,
+        "accumulation": accumulation, "warmup_steps": recipe.warmup_fraction * max_steps,
+        "weight_decay": recipe.weight_decay, "vocab_size": config.vocab_size, "data": data.name,
+        "released_precision": recipe.precision, "precision_departure": departure,
+        "deepspeed_fp16": (accelerator.state.deepspeed_plugin.deepspeed_config.get("fp16")
+                           if accelerator.state.deepspeed_plugin is not None else None),
     }, state)
     flops_per_token = gpt_neox_flops_per_token(
         config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.vocab_size, seq_len)
@@ -163,9 +211,9 @@ def main() -> None:
         revision_at=lambda state, saved: f"step{state.optimizer_steps}"
         if state.optimizer_steps in checkpoint_steps else None,
     )
-    schedule = partial(cosine_with_warmup, warmup_fraction=recipe.warmup_fraction, min_ratio=recipe.min_lr_ratio)
     finished = run.train(
-        model, optimizer, batches, StepClock(max_steps), state, checkpointer, peak_lr=peak_lr, lr_shape=schedule,
+        model, optimizer, batches, StepClock(max_steps), state, checkpointer, peak_lr=peak_lr,
+        lr_shape=recipe.lr_shape(max_steps),
         accumulation_at=lambda progress: accumulation, max_grad_norm=recipe.max_grad_norm,
         flops_per_token=flops_per_token,
     )

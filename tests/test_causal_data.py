@@ -52,3 +52,19 @@ def test_a_prepared_set_of_another_length_is_refused(tmp_path, english_texts):
     folder = tmp_path / "c" / prepared.name
     with pytest.raises(UserError, match="pass --seq-len 16"):
         load_causal_data(str(folder), seq_len=32, vocab_size=400)
+
+
+def test_a_document_level_megatron_file_is_read_in_gpt_neox_s_order_and_ready_once_indexed(tmp_path, english_texts):
+    """The other processes of a launch wait on `causal_data_ready` while the first builds GPT-NeoX's index."""
+    from cram.data.causal import causal_data_ready
+    from cram.data.megatron import GPTNeoXSamples, tokenized_documents, write_megatron
+
+    tokenizer = train_byte_level_bpe(iter(english_texts), 400, lowercase=False, model_max_length=64)
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    write_megatron(tmp_path / "document", tokenized_documents(english_texts[:30], tokenizer))
+    arguments = (str(tmp_path / "document"), 16, 400, str(tmp_path / "tokenizer"), None, 50)
+    assert not causal_data_ready(*arguments)
+    data = load_causal_data(*arguments)
+    assert causal_data_ready(*arguments)
+    assert isinstance(data.sequences, GPTNeoXSamples) and "GPT-NeoX's sample order" in data.description
+    assert data.sequences.__getitems__([0, 1])["input_ids"].shape == (2, 17)

@@ -8,7 +8,14 @@ import struct
 import numpy as np
 import pytest
 
-from cram.data.megatron import HEADER, MAGIC, MegatronSequences, MegatronTokens, write_megatron
+from cram.data.megatron import (
+    HEADER,
+    MAGIC,
+    MegatronSequences,
+    MegatronTokens,
+    megatron_sequences,
+    write_megatron,
+)
 from cram.errors import UserError
 from cram.train.sampling import StreamSlices
 
@@ -44,11 +51,15 @@ def test_the_reader_round_trips_the_documents(tmp_path, documents, dtype):
 
 
 def test_sequence_i_is_the_ith_run_and_each_rank_reads_its_slice_of_the_step(tmp_path, documents):
-    """As in the pre-shuffled Pile: step k of a global batch B reads sequences [B·k, B·(k+1)); with micro-batch m
-    on P processes, micro-step j of that step gives process r the sequences from B·k + m·(P·j + r)."""
-    write_megatron(tmp_path / "document", documents)
+    """As in the pre-shuffled Pile (every entry one sequence): step k of a global batch B reads sequences
+    [B·k, B·(k+1)); with micro-batch m on P processes, micro-step j of that step gives process r the sequences
+    from B·k + m·(P·j + r)."""
     length, micro, processes, global_batch = 9, 2, 2, 8
-    sequences = MegatronSequences(MegatronTokens(tmp_path / "document"), length)
+    whole = np.concatenate(documents)
+    documents = [whole[start:start + length] for start in range(0, len(whole) - length + 1, length)]
+    write_megatron(tmp_path / "document", documents)
+    sequences = megatron_sequences(MegatronTokens(tmp_path / "document"), length, global_batch * 4)
+    assert isinstance(sequences, MegatronSequences)
     stream = np.concatenate(documents)
     assert len(sequences) == len(stream) // length
     step, rank = 3, 1

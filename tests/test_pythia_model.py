@@ -1,6 +1,13 @@
-"""The Pythia size table and recipe: exact released parameter counts (on the meta device), schedule, checkpoints."""
+"""The Pythia size table and recipe: exact released parameter counts (on the meta device), the released init (also
+under ZeRO-3's zero.Init and through save_pretrained), GPT-NeoX's AnnealingLR, the configs' hyper-parameters and
+fp16 loss scaling, checkpoints."""
 
 from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -9,12 +16,16 @@ from transformers import GPTNeoXForCausalLM
 from cram.errors import UserError
 from cram.models.pythia import (
     PYTHIA_SIZES,
+    build_pythia_model,
     embedding_parameters,
     gpt_neox_parameters,
     pythia_checkpoint_steps,
     pythia_config,
     pythia_recipe,
+    weight_type,
 )
+from cram.plan.models import build_model, model_config
+from cram.train.runtime import grad_scaler_kwargs
 
 # The released models' counts (EleutherAI/pythia README): total, and without the input and output embeddings.
 RELEASED = {
@@ -53,21 +64,151 @@ def test_the_architecture_is_gpt_neox_as_released():
     assert (config.layer_norm_eps, config.intermediate_size, config.max_position_embeddings) == (1e-5, 8192, 2048)
 
 
-def test_the_schedule_warms_up_then_decays_to_a_tenth():
-    recipe = pythia_recipe("pythia-1b")
-    assert recipe.warmup_steps == 1430
-    assert recipe.lr_at(0) == 0.0
-    assert recipe.lr_at(715) == pytest.approx(1.5e-4)
-    assert recipe.lr_at(1430) == pytest.approx(3e-4)
-    assert recipe.lr_at(72_215) == pytest.approx(0.55 * 3e-4)  # half-way through the cosine
-    assert recipe.lr_at(143_000) == pytest.approx(3e-5)
+def neox_annealing_lr(k: int, peak: float, steps: int = 143_000) -> float:
+    """The issue's statement of GPT-NeoX v1.0's AnnealingLR (cosine), W = 1 % of the steps, E = the steps."""
+    warmup, end = 0.01 * steps, steps
+    if k <= warmup:
+        return peak * k / warmup
+    return max(peak / 10, peak / 2 * (1 + math.cos(math.pi * (min(k, end - warmup) - warmup) / end)))
 
 
-def test_the_recipe_is_the_published_one():
+LR_STEPS = [0, 1, 1430, 1431, 71_500, 115_000, 115_200, 142_999]
+
+
+@pytest.mark.parametrize("name", ["pythia-160m", "pythia-1b"])
+def test_the_lr_curve_is_gpt_neox_annealing_lr_to_1e_12(name):
+    recipe = pythia_recipe(name)
+    shape = recipe.lr_shape(143_000)  # what the loop multiplies the peak by, at progress k / 143,000
+    for k in LR_STEPS:
+        expected = neox_annealing_lr(k, recipe.peak_lr)
+        assert recipe.lr_at(k) == pytest.approx(expected, rel=1e-12, abs=0.0), k
+        assert recipe.peak_lr * shape(k / 143_000) == pytest.approx(expected, rel=1e-12, abs=0.0), k
+    assert recipe.lr_at(0) == 0.0 and recipe.lr_at(1430) == recipe.peak_lr
+    # It meets min_lr near step 115,139 and stays flat: today's published cosine-to-10 % would stay above it.
+    assert recipe.lr_at(115_138) > recipe.peak_lr / 10 and recipe.lr_at(115_140) == recipe.peak_lr / 10
+
+
+def test_the_recipe_is_the_training_configs():
     recipe = pythia_recipe("pythia-160m")
     assert (recipe.peak_lr, recipe.global_batch_size, recipe.seq_len, recipe.train_steps) == (6e-4, 1024, 2048, 143_000)
-    assert (recipe.betas, recipe.eps, recipe.weight_decay, recipe.max_grad_norm) == ((0.9, 0.95), 1e-8, 0.01, 1.0)
+    assert (recipe.betas, recipe.eps, recipe.weight_decay, recipe.max_grad_norm) == ((0.9, 0.95), 1e-8, 0.1, 1.0)
     assert recipe.precision == "fp16" and pythia_recipe("pythia-1b").precision == "bf16"
+    assert pythia_recipe("pythia-1b").peak_lr == 2.5e-4  # pythia-1b.yml, not the README table's 3e-4
+    scaling = recipe.loss_scaling
+    assert (scaling.initial_scale_power, scaling.window, scaling.hysteresis, scaling.min_scale) == (12, 1000, 2, 1)
+
+
+def test_accelerate_s_grad_scaler_starts_at_2_to_the_12_with_window_1000():
+    """The settings recipes/pythia.py rebuilds Accelerate's GradScaler with (fp16 outside DeepSpeed)."""
+    settings = grad_scaler_kwargs(12, 1000).to_kwargs()
+    assert settings == {"init_scale": 4096.0, "growth_interval": 1000}
+    scaler = torch.amp.GradScaler("cpu", **settings)  # what Accelerate builds on a GPU, on this machine's device
+    assert (scaler.get_scale(), scaler.get_growth_interval(), scaler.get_growth_factor()) == (4096.0, 1000, 2.0)
+
+
+def type_stds(model: torch.nn.Module) -> dict[str, float]:
+    """The std of each weight type, over all layers; LayerNorm gains and all biases checked exact."""
+    groups: dict[str, list[torch.Tensor]] = {}
+    for name, param in model.named_parameters():
+        kind = weight_type(name)
+        if kind is None:
+            start = torch.ones_like(param) if name.endswith("norm.weight") else torch.zeros_like(param)
+            assert torch.equal(param, start), name
+        else:
+            groups.setdefault(kind, []).append(param.detach().float().flatten())
+    return {kind: torch.cat(values).std().item() for kind, values in groups.items()}
+
+
+def small_and_wang(width: int, depth: int) -> dict[str, float]:
+    small, wang = math.sqrt(2 / (5 * width)), 2 / (depth * math.sqrt(width))
+    return {"embed_in": small, "query_key_value": small, "dense_h_to_4h": small, "lm_head": small,
+            "attention.dense": wang, "dense_4h_to_h": wang}
+
+
+def assert_stds(measured: dict[str, float], expected: dict[str, float]) -> None:
+    assert measured.keys() == expected.keys()
+    for kind, std in expected.items():
+        assert measured[kind] == pytest.approx(std, rel=0.03), kind
+
+
+@pytest.mark.parametrize("name, width, depth", [("pythia-14m", 128, 6), ("pythia-70m", 512, 6)])
+def test_a_fresh_model_has_the_released_init(name, width, depth):
+    torch.manual_seed(0)
+    assert_stds(type_stds(build_pythia_model(name)), small_and_wang(width, depth))
+
+
+def test_the_6_9b_and_12b_rule_is_gpt_neox_s_default():
+    """Their configs name no init method: normal(0.02), and 0.02/sqrt(2L) for the two output projections."""
+    for name in ("pythia-6.9b", "pythia-12b"):
+        torch.manual_seed(0)
+        shrunk = pythia_config(name, hidden_size=160, num_hidden_layers=3, num_attention_heads=4,
+                               intermediate_size=640, vocab_size=2000)
+        scaled = 0.02 / math.sqrt(2 * 3)
+        assert_stds(type_stds(build_pythia_model(name, shrunk)), {
+            "embed_in": 0.02, "query_key_value": 0.02, "dense_h_to_4h": 0.02, "lm_head": 0.02,
+            "attention.dense": scaled, "dense_4h_to_h": scaled})
+    torch.manual_seed(0)  # the same shrunk config under a small_init size's rule is another init
+    shrunk = pythia_config("pythia-14m", hidden_size=160, num_hidden_layers=3, num_attention_heads=4,
+                           intermediate_size=640, vocab_size=2000)
+    assert_stds(type_stds(build_pythia_model("pythia-14m", shrunk)), small_and_wang(160, 3))
+
+
+def test_save_pretrained_at_step_0_holds_the_init_and_the_model_works(tmp_path):
+    torch.manual_seed(0)
+    model = build_pythia_model("pythia-14m")
+    model.save_pretrained(tmp_path / "step0")
+    loaded = GPTNeoXForCausalLM.from_pretrained(tmp_path / "step0")
+    for (name, saved), (_, original) in zip(loaded.named_parameters(), model.named_parameters(), strict=True):
+        assert torch.equal(saved, original), name
+    assert_stds(type_stds(loaded), small_and_wang(128, 6))
+    reference = GPTNeoXForCausalLM(pythia_config("pythia-14m"))  # the rotary tables, rebuilt after the meta device
+    assert torch.equal(model.gpt_neox.rotary_emb.inv_freq, reference.gpt_neox.rotary_emb.inv_freq)
+    ids = torch.randint(0, 50_000, (1, 12))
+    assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+def test_the_planner_builds_the_released_init():
+    torch.manual_seed(0)
+    assert_stds(type_stds(build_model(model_config("pythia-14m", 2048))), small_and_wang(128, 6))
+
+
+ZERO3_BUILD = textwrap.dedent("""
+    import os, sys, torch, deepspeed
+    from transformers.integrations import HfDeepSpeedConfig
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    deepspeed.init_distributed("gloo")
+    zero3 = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    from cram.models.pythia import build_pythia_model
+    torch.manual_seed(0)
+    model = build_pythia_model("pythia-14m")
+    assert all(param.ds_tensor is not None and param.numel() == 0 for param in model.parameters())  # partitioned
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        weights = {name: param.detach().clone() for name, param in model.named_parameters()}
+    torch.manual_seed(0)
+    plain = build_pythia_model("pythia-14m", zero_init=False)  # the meta-device path, as without ZeRO-3
+    assert all(torch.equal(weights[name], param) for name, param in plain.named_parameters())  # the same draws
+    torch.save(weights, sys.argv[2])
+""")
+
+
+@pytest.mark.slow
+def test_the_init_holds_under_zero3_zero_init(tmp_path):
+    """Built under deepspeed.zero.Init (one gloo process), the gathered weights have the released init, drawn
+    exactly as the meta-device build draws them from the same seed."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    completed = subprocess.run([sys.executable, "-c", ZERO3_BUILD, str(port), str(tmp_path / "weights.pt")],
+                               capture_output=True, text=True, timeout=900)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    weights = torch.load(tmp_path / "weights.pt")
+    model = GPTNeoXForCausalLM(pythia_config("pythia-14m"))
+    model.load_state_dict(weights, strict=False)
+    assert set(weights) == {name for name, _ in model.named_parameters()}
+    assert_stds(type_stds(model), small_and_wang(128, 6))
 
 
 def test_the_154_checkpoint_steps():

@@ -15,13 +15,16 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 from hub_standin import HubStandIn
 from recipe_import import load_recipe
+from safetensors.torch import load as load_safetensors
 from transformers import AutoModelForCausalLM
 
-from cram.data.megatron import tokenized_documents, write_megatron
+from cram.data.megatron import gpt_neox_index_paths, tokenized_documents, write_megatron
 from cram.data.tokenizer import train_byte_level_bpe
 from cram.errors import UserError
+from cram.models.pythia import pythia_recipe, weight_type
 from cram.train.checkpoint import STATE_FILE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,6 +125,20 @@ def test_a_single_process_run_trains_and_writes_model_summary_and_curves(single_
 
 
 @pytest.mark.slow
+def test_the_run_trains_with_the_configs_weight_decay_lr_curve_and_says_its_precision(single_process, megatron_data):
+    optimizer = torch.load(single_process / "checkpoints" / "step-00000004" / "optimizer.bin", weights_only=False)
+    assert [group["weight_decay"] for group in optimizer["param_groups"]] == [0.1, 0.0]  # none on biases, norms
+    recipe = pythia_recipe("pythia-14m")
+    for row in history(single_process):  # row k is logged after step k, which ran at lr(k - 1) of a 5-step curve
+        assert row["lr"] == pytest.approx(recipe.lr_at(row["step"] - 1, train_steps=5), rel=1e-12, abs=0.0)
+    resolved = json.loads((single_process / "final" / "cram_options.json").read_text())["resolved"]
+    assert resolved["weight_decay"] == 0.1 and resolved["released_precision"] == "fp16"
+    assert resolved["precision_departure"] == "pythia-14m trained in fp16; this run uses --precision fp32 as asked"
+    # The Megatron file is one entry per document: the run read it through GPT-NeoX's index, cached beside it.
+    assert all(path.is_file() for path in gpt_neox_index_paths(megatron_data[0], 32, 21))
+
+
+@pytest.mark.slow
 def test_zero1_on_two_processes_matches_one_process_and_pushes_pythia_revisions(single_process, zero1_pushed):
     output_dir, hub = zero1_pushed
     assert_same_losses(history(output_dir), history(single_process))
@@ -132,6 +149,17 @@ def test_zero1_on_two_processes_matches_one_process_and_pushes_pythia_revisions(
     assert {"step0", "step1", "step2", "step4", "main"} <= set(stored.branches)
     assert "config.json" in stored.branches["step4"] and "model.safetensors" in stored.branches["main"]
     assert hub.unknown_routes == []
+    # DeepSpeed got the released fp16 loss scaling (the JSON says 2^16), enabled or not by the precision.
+    fp16 = options["deepspeed_fp16"]
+    assert (fp16["loss_scale"], fp16["initial_scale_power"], fp16["loss_scale_window"], fp16["hysteresis"],
+            fp16["min_loss_scale"]) == (0, 12, 1000, 2, 1)
+    # The step-0 revision is the released init (small_init / wang_init at width 128, depth 6) as saved.
+    weights = load_safetensors(stored.branches["step0"]["model.safetensors"])
+    small, wang = (2 / (5 * 128)) ** 0.5, 2 / (6 * 128**0.5)
+    for kind, expected in [("embed_in", small), ("query_key_value", small), ("dense_h_to_4h", small),
+                           ("lm_head", small), ("attention.dense", wang), ("dense_4h_to_h", wang)]:
+        values = torch.cat([tensor.float().flatten() for name, tensor in weights.items() if weight_type(name) == kind])
+        assert values.std().item() == pytest.approx(expected, rel=0.03), kind
 
 
 @pytest.mark.slow
@@ -147,6 +175,55 @@ def test_zero3_stopped_by_sigterm_resumes_to_the_uninterrupted_losses(
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "resuming from" in completed.stdout
     assert_same_losses(history(output_dir), history(single_process))
+
+
+@pytest.fixture(scope="module")
+def another_seed(tmp_path_factory, recipe_env, megatron_data) -> Path:
+    """One process, seed 7, keeping every training state: our run for the replication check."""
+    output_dir = tmp_path_factory.mktemp("seed7") / "run"
+    command = [sys.executable, *recipe_arguments(megatron_data, output_dir, 2, "--seed", "7", "--keep-checkpoints",
+                                                 "10")]
+    completed = subprocess.run(command, env=recipe_env, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return output_dir
+
+
+@pytest.mark.slow
+def test_the_replication_check_compares_a_run_with_a_reference_step_by_step(
+    tmp_path, megatron_data, zero1_pushed, another_seed, capsys
+):
+    """The reference: the ZeRO-1 run's pushed stepN revisions (seed 1234) as a local folder of revisions; ours:
+    the seed-7 run. Same recipe, other init: the gap is small but not zero."""
+    from cram.eval.replication import main as replication
+
+    _, hub = zero1_pushed
+    reference = tmp_path / "reference"
+    for branch, files in hub.repos["lab/pythia-tiny"].branches.items():
+        if branch.startswith("step"):
+            for name, content in files.items():
+                (reference / branch / name).parent.mkdir(parents=True, exist_ok=True)
+                (reference / branch / name).write_bytes(content)
+    prefix, _ = megatron_data
+    with pytest.raises(UserError, match=r"has no revision step5 .* the reference has 0, 1, 2, 4\.$"):
+        replication([str(another_seed), "--reference", str(reference), "--data", str(prefix)])  # ours also has 5
+    replication([str(another_seed), "--reference", str(reference), "--data", str(prefix), "--steps", "0,1,2,4"])
+    result = json.loads((another_seed / "replication" / "replication.json").read_text())
+    assert [row["step"] for row in result["rows"]] == [0, 1, 2, 4]
+    assert [row["first_sequence"] for row in result["rows"]] == [0, 4, 8, 16]  # the batch of step N: B·N on
+    for row in result["rows"]:
+        assert 0 < abs(row["gap"]) < 0.5 and row["gap"] == pytest.approx(row["ours"] - row["reference"])
+    losses = history(another_seed)  # step 1's logged loss is the step-0 model on the batch of step 0
+    assert result["rows"][0]["ours"] == pytest.approx(losses[0]["loss"], abs=1e-4)
+    largest = max(result["rows"], key=lambda row: abs(row["gap"]))
+    assert result["largest_gap"] == {"step": largest["step"], "gap": largest["gap"]}
+    small, wang = (2 / (5 * 128)) ** 0.5, 2 / (6 * 128**0.5)
+    for side in ("ours", "reference"):
+        stds = result["init_std"][side]
+        assert stds["embed_in"] == pytest.approx(small, rel=0.03)
+        assert stds["dense_4h_to_h"] == pytest.approx(wang, rel=0.03)
+    assert result["init_std"]["ours"] != result["init_std"]["reference"]  # another seed, another draw
+    assert (another_seed / "replication" / "replication.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Largest gap" in (another_seed / "replication" / "replication.md").read_text()
 
 
 @pytest.fixture(scope="module")

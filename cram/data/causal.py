@@ -2,8 +2,9 @@
 
 Every item is a run of seq_len + 1 tokens: the model reads the first seq_len and predicts the last seq_len, as
 GPT-NeoX trained Pythia on 2049-token sequences. Sources, by what the path is:
-- a Megatron `.bin`/`.idx` pair (the prefix, or either file): sequence i is the i-th run of seq_len + 1 tokens of
-  the file, so EleutherAI's pre-shuffled Pile replays Pythia's batches exactly;
+- a Megatron `.bin`/`.idx` pair (the prefix, or either file): in the order GPT-NeoX trains on it, so EleutherAI's
+  pre-shuffled Pile (entry i = sequence i) replays Pythia's batches exactly, and a document-level file is read
+  through GPT-NeoX's own sample index (`cram.data.megatron.megatron_sequences`);
 - a set made by recipes/prepare_data.py whose blocks are seq_len + 1 tokens long;
 - anything else `cram.data` reads: pre-tokenized `input_ids` (parquet, jsonl, a Hub set) with their tokenizer, or
   raw text, tokenized with `--tokenizer` or with a byte-level BPE trained on it, packed into seq_len + 1 blocks.
@@ -12,13 +13,21 @@ GPT-NeoX trained Pythia on 2049-token sequences. Sources, by what the path is:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from cram.data.megatron import MegatronSequences, MegatronTokens, is_megatron
+from cram.data.megatron import (
+    GPTNeoXSamples,
+    MegatronTokens,
+    document_level,
+    fixed_length,
+    gpt_neox_index_ready,
+    gpt_neox_num_samples,
+    is_megatron,
+    megatron_sequences,
+)
 from cram.data.options import DataOptions
 from cram.data.prepare import is_prepared, load_prepared, prepare, prepared_path
 from cram.errors import UserError
@@ -58,19 +67,28 @@ def _options(source: str, seq_len: int, vocab_size: int, tokenizer: str | None) 
     )
 
 
-def causal_data_to_prepare(
-    source: str, seq_len: int, vocab_size: int, tokenizer: str | None = None, cache_dir: str | None = None
-) -> Path | None:
-    """The folder `load_causal_data` with these arguments prepares, or None when it reads `source` as it is."""
-    if is_megatron(source) or is_prepared(source):
-        return None
-    return prepared_path(_options(source, seq_len, vocab_size, tokenizer), cache_dir)
+def causal_data_ready(
+    source: str, seq_len: int, vocab_size: int, tokenizer: str | None = None, cache_dir: str | None = None,
+    sequences_needed: int = 0,
+) -> bool:
+    """Whether `load_causal_data` with these arguments finds everything built (the prepared set, or GPT-NeoX's index
+    of a document-level Megatron file), so that it only reads: what the other processes wait for."""
+    if is_prepared(source):
+        return True
+    if is_megatron(source):
+        tokens = MegatronTokens(source)
+        if gpt_neox_index_ready(tokens.prefix, seq_len, gpt_neox_num_samples(sequences_needed)):
+            return True
+        return not document_level(tokens) or fixed_length(tokens, seq_len + 1)  # nothing to build for these
+    return is_prepared(prepared_path(_options(source, seq_len, vocab_size, tokenizer), cache_dir))
 
 
 def load_causal_data(
-    source: str, seq_len: int, vocab_size: int, tokenizer: str | None = None, cache_dir: str | None = None
+    source: str, seq_len: int, vocab_size: int, tokenizer: str | None = None, cache_dir: str | None = None,
+    sequences_needed: int = 0,
 ) -> CausalData:
-    """Sequences of seq_len + 1 tokens from `source` (see the module's docstring), and their tokenizer."""
+    """Sequences of seq_len + 1 tokens from `source` (see the module's docstring), and their tokenizer;
+    `sequences_needed` (the run's steps × batch) sizes GPT-NeoX's index of a document-level Megatron file."""
     length = seq_len + 1
     if is_megatron(source):
         if tokenizer is None:
@@ -79,9 +97,11 @@ def load_causal_data(
                 "(Pythia's data: EleutherAI/gpt-neox-20b or a local copy of it)."
             )
         tokens = MegatronTokens(source)
-        sequences = MegatronSequences(tokens, length)
-        description = (f"{len(sequences):,} sequences of {length} tokens ({tokens.num_tokens:,} {tokens.dtype} "
-                       f"tokens in {tokens.num_sequences:,} index entries) from {tokens.bin_path}")
+        sequences = megatron_sequences(tokens, length, sequences_needed)
+        order = (f"GPT-NeoX's sample order (index {sequences.index_files[1].name})"
+                 if isinstance(sequences, GPTNeoXSamples) else "its entries' order")
+        description = (f"{len(sequences):,} sequences of {length} tokens in {order} ({tokens.num_tokens:,} "
+                       f"{tokens.dtype} tokens in {tokens.num_sequences:,} index entries) from {tokens.bin_path}")
         return CausalData(sequences, load_tokenizer(tokenizer), str(tokens.prefix), description)
     if is_prepared(source):
         prepared = load_prepared(source)

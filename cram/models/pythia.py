@@ -1,52 +1,65 @@
-"""The Pythia suite (EleutherAI): ten GPT-NeoX sizes and the published training recipe.
+"""The Pythia suite (EleutherAI): ten GPT-NeoX sizes, their initialisation and the published training recipe.
 
     config = pythia_config("pythia-1b")          # transformers.GPTNeoXConfig, the released architecture
+    model = build_pythia_model("pythia-1b")      # GPTNeoXForCausalLM initialised as the released step 0 was
     recipe = pythia_recipe("pythia-1b")          # peak lr, batch, steps, schedule, Adam, clipping, precision
 
 The configurations reproduce the released models' parameter counts exactly (pythia-1b: 1,011,781,632 in all,
-805,736,448 without the input and output embeddings); the recipe is the one the suite was trained with
-(1024 sequences of 2048 tokens per step for 143,000 steps, warm-up 1 %, cosine to 10 % of peak).
+805,736,448 without the input and output embeddings); the recipe is the one the suite was trained with, read from
+EleutherAI/pythia `models/*/pythia-*.yml` and GPT-NeoX v1.0 (the training code): 1024 sequences of 2048 tokens
+per step for 143,000 steps, `AnnealingLR`'s warm-up and cosine, weight decay 0.1, fp16 with dynamic loss scaling.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from transformers import GPTNeoXConfig
+import torch
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+from transformers.integrations import is_deepspeed_zero3_enabled
 
 from cram.errors import UserError
+
+# GPT-NeoX v1.0 `megatron/model/init_functions.py`: the two init methods a Pythia config names.
+SMALL_AND_WANG = "small_init/wang_init"  # `init_method: small_init`, `output_layer_init_method: wang_init`
+NEOX_DEFAULT = "normal/scaled_normal"  # GPT-NeoX's defaults, used where a config names no init method
 
 
 @dataclass(frozen=True)
 class PythiaSize:
-    """One row of the size table: the architecture and its peak learning rate."""
+    """One row of the size table: the architecture, its peak learning rate and its initialisation."""
 
     hidden: int
     layers: int
     heads: int
     vocab: int  # the embedding rows: the tokenizer's 50,277 tokens padded up
-    peak_lr: float
+    peak_lr: float  # pythia-*.yml: optimizer.params.lr
+    init: str = SMALL_AND_WANG  # pythia-*.yml: init_method / output_layer_init_method
 
 
 PYTHIA_SIZES: dict[str, PythiaSize] = {
-    "pythia-14m": PythiaSize(128, 6, 4, 50304, 1e-3),
-    "pythia-31m": PythiaSize(256, 6, 8, 50304, 1e-3),
-    "pythia-70m": PythiaSize(512, 6, 8, 50304, 1e-3),
-    "pythia-160m": PythiaSize(768, 12, 12, 50304, 6e-4),
-    "pythia-410m": PythiaSize(1024, 24, 16, 50304, 3e-4),
-    "pythia-1b": PythiaSize(2048, 16, 8, 50304, 3e-4),
-    "pythia-1.4b": PythiaSize(2048, 24, 16, 50304, 2e-4),
-    "pythia-2.8b": PythiaSize(2560, 32, 32, 50304, 1.6e-4),
-    "pythia-6.9b": PythiaSize(4096, 32, 32, 50432, 1.2e-4),
-    "pythia-12b": PythiaSize(5120, 36, 40, 50688, 1.2e-4),
+    "pythia-14m": PythiaSize(128, 6, 4, 50304, 1e-3),  # models/14M/pythia-14m.yml
+    "pythia-31m": PythiaSize(256, 6, 8, 50304, 1e-3),  # models/31M/pythia-31m.yml
+    "pythia-70m": PythiaSize(512, 6, 8, 50304, 1e-3),  # models/70M/pythia-70m.yml
+    "pythia-160m": PythiaSize(768, 12, 12, 50304, 6e-4),  # models/160M/pythia-160m.yml
+    "pythia-410m": PythiaSize(1024, 24, 16, 50304, 3e-4),  # models/410M/pythia-410m.yml
+    # models/1B/pythia-1b.yml says lr 0.00025, where the Pythia README's table says 3e-4: the config trained it.
+    "pythia-1b": PythiaSize(2048, 16, 8, 50304, 2.5e-4),
+    "pythia-1.4b": PythiaSize(2048, 24, 16, 50304, 2e-4),  # models/1.4B/pythia-1.4b.yml
+    "pythia-2.8b": PythiaSize(2560, 32, 32, 50304, 1.6e-4),  # models/2.8B/pythia-2.8b.yml
+    # The 6.9b and 12b configs name no init method, so GPT-NeoX's defaults applied (EleutherAI/pythia issue #135).
+    "pythia-6.9b": PythiaSize(4096, 32, 32, 50432, 1.2e-4, NEOX_DEFAULT),  # models/6.9B/pythia-6.9b.yml
+    "pythia-12b": PythiaSize(5120, 36, 40, 50688, 1.2e-4, NEOX_DEFAULT),  # models/12B/pythia-12b.yml
 }
 
 SEQUENCE_LENGTH = 2048
-TRAIN_STEPS = 143_000
+TRAIN_STEPS = 143_000  # pythia-*.yml: train-iters and lr-decay-iters
 GLOBAL_BATCH = 1024  # sequences per optimizer step
 # Released checkpoints: step 0, powers of two to 512, then every 1000 steps: 154 in all, Hub revisions "stepN".
 CHECKPOINT_STEPS: tuple[int, ...] = (0, *(2**power for power in range(10)), *range(1000, TRAIN_STEPS + 1, 1000))
+NEOX_INIT_STD = 0.02  # GPT-NeoX v1.0 neox_args.py: init_method_std
 
 
 def check_size(name: str) -> PythiaSize:
@@ -68,7 +81,9 @@ def pythia_config(name: str, **overrides) -> GPTNeoXConfig:
         # Rotary position embedding on a quarter of each head's dimensions, base 10000 (GPT-NeoX's rotary_pct).
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         max_position_embeddings=SEQUENCE_LENGTH,
-        initializer_range=0.02,
+        # Only what Hugging Face re-initialises by itself (a key missing from a checkpoint) reads this; the
+        # released init is per layer type, see `init_stds`.
+        initializer_range=NEOX_INIT_STD,
         layer_norm_eps=1e-5,
         use_parallel_residual=True,
         tie_word_embeddings=False,
@@ -79,6 +94,134 @@ def pythia_config(name: str, **overrides) -> GPTNeoXConfig:
     )
     settings.update(overrides)
     return GPTNeoXConfig(**settings)
+
+
+def init_stds(name: str, config: GPTNeoXConfig) -> dict[str, float]:
+    """The std of the normal init of each weight type of `name` at `config`'s width d and depth L.
+
+    GPT-NeoX v1.0 applies `init_method` to the input embedding, the QKV projection, dense_h_to_4h and the output
+    layer (lm_head), and `output_layer_init_method` to attention.dense and dense_4h_to_h
+    (`megatron/model/transformer.py`, `gpt2_model.py`). small_init = sqrt(2 / (5d)); wang_init = 2 / (L·sqrt(d));
+    normal = 0.02; scaled_normal = 0.02 / sqrt(2L) (`megatron/model/init_functions.py`). Biases start at 0,
+    LayerNorms at weight 1, bias 0.
+    """
+    width, depth = config.hidden_size, config.num_hidden_layers
+    if check_size(name).init == SMALL_AND_WANG:
+        inputs, outputs = math.sqrt(2 / (5 * width)), 2 / (depth * math.sqrt(width))
+    else:
+        inputs, outputs = NEOX_INIT_STD, NEOX_INIT_STD / math.sqrt(2 * depth)
+    return {"embed_in": inputs, "query_key_value": inputs, "dense_h_to_4h": inputs, "lm_head": inputs,
+            "attention.dense": outputs, "dense_4h_to_h": outputs}
+
+
+def weight_type(parameter_name: str) -> str | None:
+    """The `init_stds` key of a GPTNeoXForCausalLM weight matrix (e.g. "gpt_neox.layers.3.mlp.dense_4h_to_h.weight"
+    -> "dense_4h_to_h"; the output layer, GPT-NeoX's embed_out, is transformers' lm_head); None for biases and
+    LayerNorms."""
+    if not parameter_name.endswith(".weight") or "layernorm" in parameter_name or "final_layer_norm" in parameter_name:
+        return None
+    if parameter_name == "embed_out.weight":  # the name saved checkpoints (ours and the released) use
+        return "lm_head"
+    for kind in ("embed_in", "query_key_value", "dense_h_to_4h", "lm_head", "attention.dense", "dense_4h_to_h"):
+        if f"{kind}.weight" in parameter_name:
+            return kind
+    raise ValueError(f"no Pythia init rule for {parameter_name}")
+
+
+@torch.no_grad()
+def initialize_pythia_weights(model: GPTNeoXForCausalLM, name: str) -> None:
+    """Give every parameter of `model` the released init of size `name` (see `init_stds`), in place.
+
+    Also correct where the parameters are ZeRO-3 partitions (built under `deepspeed.zero.Init`): each module's
+    are gathered, rank 0 draws them and DeepSpeed scatters rank 0's values back, so all ranks share one init.
+    """
+    stds = init_stds(name, model.config)
+    for prefix, module in model.named_modules():
+        named = list(module.named_parameters(recurse=False))
+        if not named:
+            continue
+        with _gathered([param for _, param in named]) as this_rank_writes:
+            if not this_rank_writes:
+                continue
+            for short_name, param in named:
+                kind = weight_type(f"{prefix}.{short_name}" if prefix else short_name)
+                if kind is not None:
+                    param.normal_(0.0, stds[kind])
+                elif short_name == "weight":  # a LayerNorm's gain
+                    param.fill_(1.0)
+                else:
+                    param.zero_()
+    for module in model.modules():  # the rotary tables: buffers, not parameters (garbage after `to_empty`)
+        if hasattr(module, "original_inv_freq"):
+            inv_freq, _ = module.compute_default_rope_parameters(module.config, device=module.inv_freq.device)
+            module.inv_freq.copy_(inv_freq)
+            module.original_inv_freq.copy_(inv_freq)
+
+
+class _gathered:
+    """`deepspeed.zero.GatheredParameters(params, modifier_rank=0)` for ZeRO-3 partitions (entering yields whether
+    this rank is the one whose writes count); for ordinary tensors, nothing to gather and every rank writes."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.partitioned = any(hasattr(param, "ds_id") for param in params)
+        self.context = None
+        if self.partitioned:
+            import deepspeed  # only a ZeRO-3 build gets here
+
+            self.context = deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+            self.rank = deepspeed.comm.get_rank()
+
+    def __enter__(self) -> bool:
+        if self.context is None:
+            return True
+        self.context.__enter__()
+        return self.rank == 0
+
+    def __exit__(self, *exc) -> None:
+        if self.context is not None:
+            self.context.__exit__(*exc)
+
+
+def build_pythia_model(
+    name: str, config: GPTNeoXConfig | None = None, device: str | torch.device | None = None,
+    zero_init: bool | None = None,
+) -> GPTNeoXForCausalLM:
+    """A GPTNeoXForCausalLM of size `name` (at `config`, else `pythia_config(name)`), initialised as released.
+
+    With `zero_init` (unset: whenever transformers sees a ZeRO-3 DeepSpeed config; a recipe passes its launch's
+    `zero3_init_flag`) the model is built by transformers under `deepspeed.zero.Init`, partitioned as it is built,
+    and initialised gathered module by module. Otherwise it is built on the meta device (no memory, no throwaway
+    init) and materialised on `device` (unset: torch's default device; where that is the meta device, as when
+    counting parameters, the weightless model is returned as is). Either way the init is drawn once, from torch's
+    generator as it stood on entry, in the same order: a seeded run draws the same weights on every process and
+    under every launch.
+    """
+    check_size(name)
+    config = config if config is not None else pythia_config(name)
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    zero_init = is_deepspeed_zero3_enabled() if zero_init is None else zero_init
+    if not zero_init and device.type == "meta":
+        with torch.device("meta"):
+            return GPTNeoXForCausalLM(config)
+    with torch.random.fork_rng():  # transformers' own init under zero.Init draws too: keep ours from seeing it
+        if zero_init:
+            model = GPTNeoXForCausalLM._from_config(config)
+        else:
+            with torch.device("meta"):
+                model = GPTNeoXForCausalLM(config)
+            model.to_empty(device=device)
+    initialize_pythia_weights(model, name)
+    return model
+
+
+def pythia_size_of(config: GPTNeoXConfig) -> str:
+    """The size whose (width, depth, heads) `config` has; they tell the ten sizes apart."""
+    for name, size in PYTHIA_SIZES.items():
+        if (size.hidden, size.layers, size.heads) == (
+                config.hidden_size, config.num_hidden_layers, config.num_attention_heads):
+            return name
+    raise UserError(f"a GPT-NeoX of width {config.hidden_size} and depth {config.num_hidden_layers} is no Pythia size: "
+                    "choose one of " + ", ".join(PYTHIA_SIZES) + ".")
 
 
 def gpt_neox_parameters(config: GPTNeoXConfig) -> int:
@@ -97,45 +240,70 @@ def embedding_parameters(config: GPTNeoXConfig) -> int:
 
 
 @dataclass(frozen=True)
+class LossScaling:
+    """fp16 dynamic loss scaling (pythia-*.yml: fp16): start at 2^initial_scale_power, halve on an overflow once
+    `hysteresis` overflows have been seen, double after `window` clean steps, never below `min_scale`."""
+
+    initial_scale_power: int = 12
+    window: int = 1000
+    hysteresis: int = 2
+    min_scale: float = 1.0
+
+
+@dataclass(frozen=True)
 class PythiaRecipe:
-    """The published training recipe of one size."""
+    """The published training recipe of one size (pythia-*.yml at GPT-NeoX v1.0)."""
 
     name: str
-    peak_lr: float
-    min_lr_ratio: float = 0.1
-    warmup_fraction: float = 0.01  # 1430 of 143,000 steps
-    train_steps: int = TRAIN_STEPS
+    peak_lr: float  # optimizer.params.lr
+    min_lr_ratio: float = 0.1  # min_lr = lr / 10 in every config
+    warmup_fraction: float = 0.01  # warmup
+    train_steps: int = TRAIN_STEPS  # train-iters = lr-decay-iters
     global_batch_size: int = GLOBAL_BATCH
     seq_len: int = SEQUENCE_LENGTH
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    max_grad_norm: float = 1.0
-    precision: str = "fp16"
+    betas: tuple[float, float] = (0.9, 0.95)  # optimizer.params.betas
+    eps: float = 1e-8  # optimizer.params.eps
+    weight_decay: float = 0.1  # weight-decay (every config; 0.01 is only GPT-NeoX's default)
+    max_grad_norm: float = 1.0  # gradient_clipping
+    precision: str = "fp16"  # fp16.enabled; pythia-1b moved to bf16 (Pythia README)
+    loss_scaling: LossScaling = LossScaling()
     checkpoint_steps: tuple[int, ...] = field(default=CHECKPOINT_STEPS, repr=False)
 
-    @property
-    def warmup_steps(self) -> int:
-        return round(self.warmup_fraction * self.train_steps)
+    def lr_at(self, step: int, peak_lr: float | None = None, train_steps: int | None = None) -> float:
+        """The learning rate of optimizer step `step` (0-based), over `train_steps` (the recipe's unless given)."""
+        peak = self.peak_lr if peak_lr is None else peak_lr
+        return annealing_lr(step, peak, peak * self.min_lr_ratio, self.warmup_fraction,
+                            train_steps or self.train_steps)
 
-    def lr_at(self, step: int) -> float:
-        """The learning rate of optimizer step `step` (0-based) over `train_steps`."""
-        return self.peak_lr * cosine_with_warmup(step / self.train_steps, self.warmup_fraction, self.min_lr_ratio)
+    def lr_shape(self, train_steps: int) -> Callable[[float], float]:
+        """The loop's learning-rate multiplier at progress p = k / train_steps: `annealing_lr` at step k over peak."""
+
+        def shape(progress: float) -> float:
+            return annealing_lr(round(progress * train_steps), 1.0, self.min_lr_ratio, self.warmup_fraction,
+                                train_steps)
+
+        return shape
 
 
 def pythia_recipe(name: str) -> PythiaRecipe:
-    """The recipe `name` was trained with; pythia-1b alone ran in bf16."""
+    """The recipe `name` was trained with; pythia-1b alone ran in bf16 (Pythia README)."""
     size = check_size(name)
     return PythiaRecipe(name=name, peak_lr=size.peak_lr, precision="bf16" if name == "pythia-1b" else "fp16")
 
 
-def cosine_with_warmup(progress: float, warmup_fraction: float = 0.01, min_ratio: float = 0.1) -> float:
-    """GPT-NeoX's learning-rate multiplier at progress p: linear from 0 to 1 over the warm-up, then a half cosine
-    from 1 down to `min_ratio` at p = 1."""
-    if progress < warmup_fraction:
-        return progress / warmup_fraction
-    decay = min(1.0, (progress - warmup_fraction) / (1.0 - warmup_fraction))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * decay))
+def annealing_lr(step: int, peak: float, min_lr: float, warmup_fraction: float, decay_steps: int) -> float:
+    """GPT-NeoX v1.0's `AnnealingLR.get_lr` with `decay_style: cosine` (megatron/learning_rates.py), at iteration
+    `step`: with W = warmup_fraction·E and E = decay_steps, peak·k/W for k <= W, else
+    max(min_lr, peak/2·(1 + cos(π·(min(k, E − W) − W)/E))).
+
+    Note the divisor E, not E − W, and the peak/2 without min_lr inside: the curve reaches min_lr near k = 0.805·E
+    (115,139 of 143,000) and stays flat for the rest, as the released models trained.
+    """
+    warmup = warmup_fraction * decay_steps  # training.py: warmup_iter = warmup * num_iters (not rounded)
+    if warmup > 0 and step <= warmup:
+        return peak * step / warmup
+    decayed = min(step, decay_steps - warmup) - warmup
+    return max(min_lr, peak / 2.0 * (math.cos(math.pi * decayed / decay_steps) + 1))
 
 
 def pythia_checkpoint_steps(train_steps: int = TRAIN_STEPS) -> list[int]:

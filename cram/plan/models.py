@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, PretrainedConfig
+from transformers import GPTNeoXConfig, PretrainedConfig
 
 from cram.errors import UserError
 from cram.models.crammed_bert import PRESETS, CrammedBertConfig, CrammedBertForMaskedLM
-from cram.models.pythia import PYTHIA_SIZES, pythia_config, pythia_recipe
+from cram.models.pythia import PYTHIA_SIZES, build_pythia_model, pythia_config, pythia_recipe, pythia_size_of
 from cram.train.throughput import crammed_bert_flops_per_token, gpt_neox_flops_per_token
 
 CRAMMED_BERT_PRESETS = {
@@ -62,8 +62,8 @@ def model_config(name: str, seq_len: int) -> PretrainedConfig:
 
 
 def build_model(config: PretrainedConfig) -> torch.nn.Module:
-    if isinstance(config, GPTNeoXConfig):
-        return GPTNeoXForCausalLM(config)
+    if isinstance(config, GPTNeoXConfig):  # initialised as released; built whole, as before, not under zero.Init
+        return build_pythia_model(pythia_size_of(config), config, zero_init=False)
     return CrammedBertForMaskedLM(config)
 
 

@@ -13,7 +13,15 @@ from typing import TypeVar
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
-from accelerate.utils import DynamoBackend, InitProcessGroupKwargs, TorchDynamoPlugin, parse_flag_from_env
+from accelerate.utils import (
+    DynamoBackend,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    TorchDynamoPlugin,
+    get_fsdp2_grad_scaler,
+    get_grad_scaler,
+    parse_flag_from_env,
+)
 from packaging.version import Version
 
 from cram.errors import UserError
@@ -257,6 +265,35 @@ def configure_deepspeed(
     config["train_batch_size"] = micro_batch_size * accelerator.num_processes
     config["gradient_clipping"] = max_grad_norm
     accelerator.gradient_accumulation_steps = 1
+
+
+def fp16_loss_scaling(
+    accelerator: Accelerator, initial_scale_power: int, window: int, hysteresis: int, min_scale: float
+) -> list[str]:
+    """Dynamic fp16 loss scaling from 2^initial_scale_power, doubling after `window` overflow-free steps.
+
+    DeepSpeed: the JSON's fp16 section takes all four values (a value it states otherwise is replaced, and named
+    in the list returned so the recipe can say so). Accelerate's own fp16 (DDP, FSDP, one GPU): its GradScaler is
+    rebuilt with the initial scale and window; torch's GradScaler has no hysteresis and no minimum scale.
+    """
+    plugin = accelerator.state.deepspeed_plugin
+    replaced = []
+    if plugin is not None:
+        section = plugin.deepspeed_config.setdefault("fp16", {})
+        wanted = {"loss_scale": 0, "initial_scale_power": initial_scale_power, "loss_scale_window": window,
+                  "hysteresis": hysteresis, "min_loss_scale": min_scale}
+        replaced = [f"{key} {section[key]} -> {value}" for key, value in wanted.items()
+                    if section.get(key, "auto") not in ("auto", value)]
+        section.update(wanted)
+    elif accelerator.scaler is not None:  # as Accelerate builds it, from these settings
+        settings = grad_scaler_kwargs(initial_scale_power, window).to_kwargs()
+        accelerator.scaler = get_fsdp2_grad_scaler(device=accelerator.device.type, **settings) \
+            if accelerator.is_fsdp2 else get_grad_scaler(accelerator.distributed_type, **settings)
+    return replaced
+
+
+def grad_scaler_kwargs(initial_scale_power: int, window: int) -> GradScalerKwargs:
+    return GradScalerKwargs(init_scale=2.0**initial_scale_power, growth_interval=window)
 
 
 def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
