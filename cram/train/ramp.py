@@ -39,11 +39,13 @@ class Pace:
 
 def micro_batches_that_fit(pace: Pace) -> int | None:
     """The most micro-batches the next step may take so that it ends inside the budget at the measured speed;
-    None without a wall-clock budget. Before any step is timed, one: the smallest step, whose time then measures
-    the speed. 0 means not even one more micro-batch fits, and the run ends here."""
+    None without a wall-clock budget. Until a step after the session's first is timed (the first pays warm-up and
+    compilation, and says little about the speed), one: the smallest step, which measures it; the loop's check
+    after every micro-batch still ends the run within one micro-batch of the budget. 0 means not even one more
+    micro-batch fits, and the run ends here."""
     if math.isinf(pace.seconds_left):
         return None
-    if pace.seconds_per_micro_batch is None:
+    if pace.seconds_per_micro_batch is None or pace.steady_steps == 0:
         return 1 if pace.seconds_left > 0 else 0
     return math.floor(pace.seconds_left / pace.seconds_per_micro_batch)
 
