@@ -126,6 +126,7 @@ def test_no_step_is_scheduled_past_what_the_rest_of_the_budget_holds_at_the_meas
     assert [row["batch_size"] for row in state.history].count(8 * MICRO_BATCH) >= 2  # the cap does not bind early
     # At a steady pace the run never overshoots, and stops less than one micro-batch before the end.
     assert 40.0 - 1.5 < clock.elapsed <= 40.0
+    assert state.history[-1]["seconds_per_micro_batch"] == 1.5  # the pace that decided it, logged
     assert micro_batches_that_fit(Pace(0.9, 4.0, None)) == 1 and micro_batches_that_fit(Pace(0.9, 0.0, None)) == 0
     assert micro_batches_that_fit(Pace(0.9, 4.0, 40.0, steady_steps=0)) == 1  # the warm-up step says little
     assert micro_batches_that_fit(Pace(0.9, 4.0, 1.5, steady_steps=1)) == 2

@@ -122,12 +122,13 @@ def train(
         state.tokens += sequences * seq_len
         if state.optimizer_steps == 1 or state.optimizer_steps % log_every == 0:
             state.elapsed = clock.elapsed
-            meter.log(state, loss, lr, sequences, grad_norm, bar)
+            meter.log(state, loss, lr, sequences, grad_norm, bar, pace.seconds_per_micro_batch)
         elif bar is not None:
             bar.tick(state, f"step {state.optimizer_steps} done")
     state.elapsed = clock.elapsed
     if loss is not None and state.history[-1]["step"] != state.optimizer_steps:
-        meter.log(state, loss, lr, sequences, grad_norm, bar)  # the last step is always in the history
+        # The last step is always in the history, with the pace the run's last scheduling decision used.
+        meter.log(state, loss, lr, sequences, grad_norm, bar, pace.seconds_per_micro_batch)
     optimizer.zero_grad(set_to_none=True)
     if bar is not None:
         bar.close()
@@ -231,7 +232,7 @@ class Meter:
 
     def log(
         self, state: TrainState, loss: torch.Tensor, lr: float, sequences: int, grad_norm: torch.Tensor | float | None,
-        bar: ProgressBar | None,
+        bar: ProgressBar | None, seconds_per_micro_batch: float | None = None,
     ) -> None:
         now = time.perf_counter()
         seconds = max(now - self.since, 1e-9)
@@ -248,6 +249,8 @@ class Meter:
         }
         if grad_norm is not None:
             row["grad_norm"] = float(grad_norm)
+        if seconds_per_micro_batch is not None:
+            row["seconds_per_micro_batch"] = seconds_per_micro_batch  # the measured pace that schedules steps
         if self.flops_per_token:
             row["flops_per_second"] = tokens_per_second * self.flops_per_token
             utilisation = mfu(tokens_per_second, self.flops_per_token, self.peak)
