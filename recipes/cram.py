@@ -33,7 +33,7 @@ from cram.hub import ModelCardFacts
 from cram.models.crammed_bert import PRESETS, CrammedBertConfig, CrammedBertForMaskedLM
 from cram.train.budget import BudgetClock, StepClock, budget_triangle, parse_budget
 from cram.train.optim import build_adamw
-from cram.train.ramp import full_accumulation, ramp_accumulation
+from cram.train.ramp import BudgetRamp, Pace, full_accumulation, ramp_accumulation
 from cram.train.run import RecipeRun, RunOptions, check_run_options
 from cram.train.runtime import check_optimizer_for_deepspeed, configure_deepspeed, enable_tf32, local_main_first
 from cram.train.sampling import stream_loader
@@ -43,8 +43,12 @@ from cram.train.throughput import crammed_bert_flops_per_token
 # The paper's model trains on the paper's data (cramming/config/data/pile-readymade.yaml); the small presets on the
 # offline corpus.
 DATA_DEFAULTS = {"crammed-bert": READYMADE, "small": "embedded", "tiny": "embedded"}
-# Batch sizes by preset: (target sequences per optimizer step, micro-batch per process).
+# Batch sizes by preset: (target sequences per optimizer step, micro-batch per process). The paper's model keeps
+# the paper's target (cramming/config/train/bert-o4.yaml: batch_size 8192, reached at batch_size_ramp 0.60); for
+# the others it is the largest target: under a wall-clock budget their ramp aims at the largest batch that still
+# leaves --min-steps optimizer steps at the measured speed (`cram.train.ramp.BudgetRamp`).
 BATCH_DEFAULTS = {"crammed-bert": (8192, 128), "small": (1024, 64), "tiny": (256, 32)}
+BUDGET_FOLLOWING_PRESETS = ("small", "tiny")
 
 
 @dataclass
@@ -60,10 +64,14 @@ class TrainingOptions:
         "paper's data, streamed from the Hub) or a local copy of it; unset means the preset's: pile-readymade for "
         "crammed-bert, embedded for tiny and small")
     target_batch_size: int | None = option(
-        None, "sequences per optimizer step once ramped up; unset means the preset's (8192 for crammed-bert)")
+        None, "sequences per optimizer step once ramped up; unset means 8192 for crammed-bert, and for small and tiny "
+              "the largest batch (up to 1024 and 256) that leaves --min-steps steps in the budget")
     micro_batch_size: int | None = option(
         None, "sequences per forward pass per process; unset means the preset's (128 for crammed-bert)")
     ramp_end: float = option(0.6, "budget fraction at which the batch reaches its target size")
+    min_steps: int = option(
+        300, "small and tiny presets under a wall-clock budget: the ramp's target is the largest batch that still "
+             "leaves this many optimizer steps at the measured speed")
     lr: float = option(1e-3, "peak learning rate")
     beta1: float = option(0.9, "AdamW beta1")
     beta2: float = option(0.98, "AdamW beta2")
@@ -96,15 +104,24 @@ def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
         )
     if training.max_steps is not None and training.max_steps <= 0:
         raise UserError(f"--max-steps {training.max_steps} is not a positive number of steps: give one, e.g. 1000.")
+    if training.min_steps <= 0:
+        raise UserError(f"--min-steps {training.min_steps} is not a positive number of steps: give one, e.g. 300.")
     if training.optimizer not in ("adamw", "adamw-8bit"):
         raise UserError(f"unknown optimizer {training.optimizer!r}: choose adamw or adamw-8bit.")
     check_run_options(implementation)
     target, micro = BATCH_DEFAULTS[training.preset]
-    if training.target_batch_size is None:
+    if training.target_batch_size is None and not follows_budget(training):
         training.target_batch_size = target
     if training.micro_batch_size is None:
         training.micro_batch_size = micro
     return training, implementation
+
+
+def follows_budget(training: TrainingOptions) -> bool:
+    """Whether the ramp's target is chosen from the budget: small and tiny presets under a wall-clock budget, when
+    no --target-batch-size is given (a step budget fixes the number of steps, so the preset's target stands)."""
+    return training.preset in BUDGET_FOLLOWING_PRESETS and training.max_steps is None and \
+        training.target_batch_size is None
 
 
 def load_data(
@@ -148,8 +165,12 @@ def main() -> None:
     budget_seconds = parse_budget(training.budget)
     run = RecipeRun("cram", implementation)
     accelerator = run.accelerator
-    full = full_accumulation(training.target_batch_size, training.micro_batch_size, accelerator.num_processes)
-    configure_deepspeed(accelerator, training.micro_batch_size, training.target_batch_size, training.max_grad_norm)
+    largest_target = training.target_batch_size or BATCH_DEFAULTS[training.preset][0]
+    sequences_per_micro_batch = training.micro_batch_size * accelerator.num_processes
+    full = full_accumulation(training.target_batch_size, training.micro_batch_size, accelerator.num_processes) \
+        if training.target_batch_size else max(1, largest_target // sequences_per_micro_batch)
+    configure_deepspeed(accelerator, training.micro_batch_size, full * sequences_per_micro_batch,
+                        training.max_grad_norm)
     plugin = accelerator.state.deepspeed_plugin
     check_optimizer_for_deepspeed(plugin and plugin.deepspeed_config, training.optimizer == "adamw-8bit")
     set_seed(training.seed)  # the same initial model on every process; masks depend on each sequence's serial
@@ -206,6 +227,7 @@ def main() -> None:
         "budget_seconds": budget_seconds,
         "max_steps": training.max_steps,
         "full_accumulation": full,
+        "ramp_target": "follows the budget" if follows_budget(training) else training.target_batch_size,
         "vocab_size": config.vocab_size,
         "data": str(data.path),
     }, state)
@@ -224,9 +246,15 @@ def main() -> None:
 
     checkpointer = run.checkpointer(state, model, data.tokenizer, model_card)
     clock = StepClock(training.max_steps) if training.max_steps else BudgetClock(budget_seconds)
+    if follows_budget(training):
+        accumulation_at = BudgetRamp(state, full, sequences_per_micro_batch, budget_seconds, training.ramp_end,
+                                     training.min_steps)
+    else:
+        def accumulation_at(pace: Pace) -> int:
+            return ramp_accumulation(pace.progress, full, training.ramp_end)
     finished = run.train(
         model, optimizer, batches, clock, state, checkpointer, peak_lr=training.lr, lr_shape=budget_triangle,
-        accumulation_at=lambda progress: ramp_accumulation(progress, full, training.ramp_end),
+        accumulation_at=accumulation_at,
         max_grad_norm=training.max_grad_norm, flops_per_token=flops_per_token,
     )
 

@@ -14,7 +14,6 @@ import torch
 
 from cram.errors import UserError
 from cram.plan.cost import parse_target
-from cram.train.budget import StepClock
 from cram.train.loop import Meter
 from cram.train.runtime import (
     MINIMUM_VERSIONS,
@@ -97,7 +96,7 @@ def test_mfu_on_four_processes_divides_by_the_peak_of_four_devices(gpu):
     state = TrainState()
     meter = Meter(four_processes, flops_per_token=1e9, state=state)
     state.optimizer_steps, state.sequences, state.tokens = 1, 64, 64 * 128  # counted over all four processes
-    meter.log(state, torch.tensor(5.0), 1e-3, 64, None, StepClock(10), None)
+    meter.log(state, torch.tensor(5.0), 1e-3, 64, None, None)
     row = logged[0]
     assert row["mfu"] == pytest.approx(row["flops_per_second"] / (4 * 312e12))
     assert peak_flops(torch.device("cuda", 0), 4) == 4 * peak_flops(torch.device("cuda", 0))

@@ -96,7 +96,7 @@ def test_sigterm_saves_a_final_state_and_the_resumed_run_reproduces_the_loss_cur
     output_dir = Path(shutil.copytree(original, tmp_path / "run"))
     newest = complete_checkpoints(output_dir / "checkpoints")[-1]
     stopped_at = json.loads((newest / STATE_FILE).read_text())["state"]["optimizer_steps"]
-    assert 4 <= stopped_at < 24  # the state written on SIGTERM, at the step boundary after the signal
+    assert 4 <= stopped_at < 24  # the state written on SIGTERM: the last step completed before the signal
     resumed = resume(output_dir, recipe_env)
     assert resumed["resumed_from"] == str(newest)
     assert_same_curve(resumed, uninterrupted)

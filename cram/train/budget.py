@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import re
+import statistics
 import time
+from collections.abc import Callable
 
 from cram.errors import UserError
 
@@ -29,20 +32,22 @@ def budget_triangle(progress: float) -> float:
 class WallClock:
     """Seconds of training, continuing across resumptions: `start(elapsed)` picks up where a checkpoint stopped."""
 
-    def __init__(self) -> None:
+    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
+        self.now = now  # seconds from any fixed origin; tests pass a fake clock
         self._started_at: float | None = None
         self._elapsed_before = 0.0
         self._steps_before = 0
 
     def start(self, elapsed_before: float = 0.0, steps_before: int = 0) -> None:
-        self._started_at = time.perf_counter()
+        self._started_at = self.now()
         self._elapsed_before = elapsed_before
         self._steps_before = steps_before
 
     @property
     def elapsed(self) -> float:
-        now = time.perf_counter() if self._started_at is not None else None
-        return self._elapsed_before + (0.0 if now is None else now - self._started_at)
+        if self._started_at is None:
+            return self._elapsed_before
+        return self._elapsed_before + self.now() - self._started_at
 
     def progress(self, steps: int) -> float:
         raise NotImplementedError
@@ -50,12 +55,16 @@ class WallClock:
     def remaining(self, steps: int) -> float:
         raise NotImplementedError
 
+    def limit_left(self) -> float:
+        """Seconds before a wall-clock limit ends the run: no step may be scheduled past it (none: infinity)."""
+        return math.inf
+
 
 class BudgetClock(WallClock):
     """Progress p = elapsed / budget through a wall-clock budget: the cramming schedule."""
 
-    def __init__(self, budget_seconds: float):
-        super().__init__()
+    def __init__(self, budget_seconds: float, now: Callable[[], float] = time.perf_counter):
+        super().__init__(now)
         self.budget_seconds = budget_seconds
 
     def progress(self, steps: int = 0) -> float:
@@ -64,6 +73,9 @@ class BudgetClock(WallClock):
     def remaining(self, steps: int = 0) -> float:
         return max(0.0, self.budget_seconds - self.elapsed)
 
+    def limit_left(self) -> float:
+        return self.remaining()
+
     def describe(self) -> str:
         return f"{self.budget_seconds:g} s"
 
@@ -71,8 +83,8 @@ class BudgetClock(WallClock):
 class StepClock(WallClock):
     """Progress p = optimizer steps / max_steps: a deterministic budget, for tests and fixed-length recipes."""
 
-    def __init__(self, max_steps: int):
-        super().__init__()
+    def __init__(self, max_steps: int, now: Callable[[], float] = time.perf_counter):
+        super().__init__(now)
         self.max_steps = max_steps
 
     def progress(self, steps: int) -> float:
@@ -87,3 +99,38 @@ class StepClock(WallClock):
 
     def describe(self) -> str:
         return f"{self.max_steps} steps"
+
+
+class MicroBatchPace:
+    """Seconds per micro-batch measured over this session's optimizer steps, update included.
+
+    The session's first step pays one-off costs (compilation, allocator warm-up) and stands in only until a
+    second step is timed; after that, the median of the last few steps, so one slow step (a checkpoint's I/O
+    burst, a neighbour on the machine) does not shrink the next ones. A step's seconds over its micro-batches
+    include its share of the optimizer update, which makes the figure a little high for larger steps: the safe side
+    when it decides what fits in the budget.
+    """
+
+    def __init__(self, window: int = 5) -> None:
+        self.window = window
+        self._first: float | None = None
+        self._steady: list[float] = []
+
+    def record(self, step_seconds: float, micro_batches: int) -> None:
+        per_micro_batch = step_seconds / micro_batches
+        if self._first is None:
+            self._first = per_micro_batch
+        else:
+            self._steady = [*self._steady, per_micro_batch][-self.window:]
+
+    @property
+    def steady_steps(self) -> int:
+        """Steps timed after the first: how much the figure rests on."""
+        return len(self._steady)
+
+    @property
+    def seconds_per_micro_batch(self) -> float | None:
+        """None before any step of this session."""
+        if self._steady:
+            return statistics.median(self._steady)
+        return self._first

@@ -13,16 +13,22 @@ import math
 import resource
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from cram.train.budget import WallClock
+from cram.train.budget import MicroBatchPace, WallClock
 from cram.train.preemption import Preemption
+from cram.train.ramp import Pace, micro_batches_that_fit
 from cram.train.state import TrainState
 from cram.train.throughput import mfu, peak_flops
+
+# Late in a long run an optimizer step can take minutes: the bar redraws at least this often between log rows,
+# so a slow run can be told from a hung one.
+BAR_REFRESH_SECONDS = 2.0
 
 
 class Checkpointing(Protocol):
@@ -50,7 +56,7 @@ def train(
     *,
     peak_lr: float,
     lr_shape: Callable[[float], float],
-    accumulation_at: Callable[[float], int],
+    accumulation_at: Callable[[Pace], int],
     max_grad_norm: float | None,
     log_every: int = 10,
     show_progress: bool = True,
@@ -60,76 +66,132 @@ def train(
 ) -> bool:
     """Train from `state` until the clock's progress reaches 1; True if it did, False if a signal stopped it first.
 
-    `state` is updated in place. All processes act on one shared reading per step (rank 0's clock, any process's
-    signal), so they step, ramp, checkpoint and stop together: a process that stopped one micro-batch early would
-    leave the others waiting in a gradient all-reduce. The last step may end up to one step's time past the budget.
+    `state` is updated in place. The clock and the signal are read after every micro-batch, and each step is held
+    to the micro-batches the rest of a wall-clock budget holds at the measured speed (`micro_batches_that_fit`),
+    so the run ends within one micro-batch of its budget or a signal. A step the budget or a signal cuts short is
+    dropped, not taken on the micro-batches it has: its gradients are not yet synchronised across processes (the
+    sync happens on a step's last micro-batch), and at the end of a budget its learning rate is about 0 anyway.
+    `state` then holds the last completed step, which is what a signal's checkpoint saves and a resumed run
+    replays from. All processes act on one shared reading (rank 0's clock and pace, any process's signal), so
+    they step, ramp, checkpoint and stop together: one that stopped alone would leave the others waiting in a
+    gradient all-reduce.
     """
     meter = Meter(accelerator, flops_per_token, state)
-    bar = None
-    if show_progress and accelerator.is_main_process:
-        bar = tqdm(total=100, bar_format="{percentage:3.0f}% |{bar:20}| {desc}", dynamic_ncols=True)
+    bar = ProgressBar(clock) if show_progress and accelerator.is_main_process else None
+    pace = MicroBatchPace()
     loss = lr = sequences = grad_norm = None
+    stop = False
+
+    def cut_short(micro_batches_done: int, accumulation: int) -> bool:
+        """Read the clock and the signal between micro-batches; True ends the step (and the run) here."""
+        nonlocal stop
+        between = _agree(accelerator, clock, state, pace, preemption, None)
+        stop = _stop_signalled(between.stop_signal, preemption)
+        if bar is not None:
+            bar.tick(state, f"step {state.optimizer_steps + 1}: {micro_batches_done}/{accumulation} micro-batches")
+        return stop or between.pace.progress >= 1.0
+
     model.train()
     clock.start(state.elapsed, state.optimizer_steps)
     while True:
-        progress, stop_signal, save_now = _agree(
-            accelerator,
-            clock.progress(state.optimizer_steps),
-            preemption.signal or 0 if preemption is not None else 0,
-            checkpointer is not None and checkpointer.time_due(),
-        )
-        stop = stop_signal != 0
-        if stop and preemption is not None and not preemption.requested:
-            preemption.signal = stop_signal  # another process was signalled: report and exit as it does
-        if checkpointer is not None and checkpointer.due(state, save_now):
+        reading = _agree(accelerator, clock, state, pace, preemption, checkpointer)
+        stop = _stop_signalled(reading.stop_signal, preemption)
+        if checkpointer is not None and checkpointer.due(state, reading.save_now):
             state.elapsed = clock.elapsed
             checkpointer.save(state)
-        if progress >= 1.0 or stop:
+        fit = micro_batches_that_fit(reading.pace)
+        if reading.pace.progress >= 1.0 or stop or fit == 0:
             break
-        lr = peak_lr * lr_shape(progress)
+        lr = peak_lr * lr_shape(reading.pace.progress)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss, (sequences, seq_len) = _accumulate_gradients(model, batches, accelerator, accumulation_at(progress))
+        accumulation = accumulation_at(reading.pace)
+        accumulation = accumulation if fit is None else min(accumulation, fit)
+        step_started = clock.now()
+        taken = _accumulate_gradients(model, batches, accelerator, accumulation, cut_short)
+        if taken is None:  # dropped: `state` stays at the last completed step
+            break
+        loss, (sequences, seq_len) = taken
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm) if max_grad_norm else None
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        pace.record(clock.now() - step_started, accumulation)
         sequences *= accelerator.num_processes
         state.optimizer_steps += 1
         state.sequences += sequences
         state.tokens += sequences * seq_len
         if state.optimizer_steps == 1 or state.optimizer_steps % log_every == 0:
             state.elapsed = clock.elapsed
-            meter.log(state, loss, lr, sequences, grad_norm, clock, bar)
+            meter.log(state, loss, lr, sequences, grad_norm, bar, pace.seconds_per_micro_batch)
+        elif bar is not None:
+            bar.tick(state, f"step {state.optimizer_steps} done")
     state.elapsed = clock.elapsed
     if loss is not None and state.history[-1]["step"] != state.optimizer_steps:
-        meter.log(state, loss, lr, sequences, grad_norm, clock, bar)  # the last step is always in the history
+        # The last step is always in the history, with the pace the run's last scheduling decision used.
+        meter.log(state, loss, lr, sequences, grad_norm, bar, pace.seconds_per_micro_batch)
     optimizer.zero_grad(set_to_none=True)
     if bar is not None:
         bar.close()
     return not stop
 
 
-def _agree(accelerator: Accelerator, progress: float, stop_signal: int, save_now: bool) -> tuple[float, int, bool]:
-    """Rank 0's progress and checkpoint timer, and the stop signal any process received (0: none), on every
-    process."""
-    readings = torch.tensor([progress, float(stop_signal), float(save_now)], dtype=torch.float64,
-                            device=accelerator.device)
+@dataclass(frozen=True)
+class Reading:
+    """One reading shared by every process: rank 0's clock, pace and checkpoint timer, any process's signal."""
+
+    pace: Pace
+    stop_signal: int  # 0: none
+    save_now: bool
+
+
+def _agree(
+    accelerator: Accelerator, clock: WallClock, state: TrainState, pace: MicroBatchPace,
+    preemption: Preemption | None, checkpointer: Checkpointing | None,
+) -> Reading:
+    """Read the clock, the pace, the signal and the checkpoint timer, and agree on them across processes.
+
+    One process reads them on the host (no device round trip); several take one all-reduce, which also waits for
+    the device to finish the work queued so far."""
+    seconds_per_micro_batch = pace.seconds_per_micro_batch
+    readings = [
+        clock.progress(state.optimizer_steps),
+        clock.limit_left(),
+        -1.0 if seconds_per_micro_batch is None else seconds_per_micro_batch,
+        float(pace.steady_steps),
+        float(preemption.signal or 0) if preemption is not None else 0.0,
+        float(checkpointer is not None and checkpointer.time_due()),
+    ]
     if accelerator.num_processes > 1:
+        shared = torch.tensor(readings, dtype=torch.float64, device=accelerator.device)
         if accelerator.process_index != 0:
-            readings[0] = readings[2] = 0.0  # a maximum over processes then yields rank 0's values
-        torch.distributed.all_reduce(readings, op=torch.distributed.ReduceOp.MAX)
-    progress, stop_signal, save_now = readings.tolist()
-    return progress, int(stop_signal), bool(save_now)
+            shared[[0, 1, 2, 3, 5]] = -math.inf  # a maximum over processes then yields rank 0's values
+        torch.distributed.all_reduce(shared, op=torch.distributed.ReduceOp.MAX)
+        readings = shared.tolist()
+    progress, seconds_left, seconds_per_micro_batch, steady_steps, stop_signal, save_now = readings
+    return Reading(
+        Pace(progress, seconds_left, None if seconds_per_micro_batch < 0 else seconds_per_micro_batch,
+             int(steady_steps)),
+        int(stop_signal), bool(save_now),
+    )
+
+
+def _stop_signalled(stop_signal: int, preemption: Preemption | None) -> bool:
+    if stop_signal and preemption is not None and not preemption.requested:
+        preemption.signal = stop_signal  # another process was signalled: report and exit as it does
+    return stop_signal != 0
 
 
 def _accumulate_gradients(
-    model: torch.nn.Module, batches: Iterator[dict], accelerator: Accelerator, accumulation: int
-) -> tuple[torch.Tensor, tuple[int, int]]:
-    """Backward over `accumulation` micro-batches; the mean loss and this process's (sequences, seq_len).
+    model: torch.nn.Module, batches: Iterator[dict], accelerator: Accelerator, accumulation: int,
+    cut_short: Callable[[int, int], bool],
+) -> tuple[torch.Tensor, tuple[int, int]] | None:
+    """Backward over `accumulation` micro-batches; the mean loss and this process's (sequences, seq_len), or None
+    when `cut_short(micro-batches done, accumulation)`, asked between micro-batches, says to abandon the step.
 
     Gradients are synchronised across processes only on the last micro-batch. DeepSpeed learns where the
     optimizer step falls from Accelerate's `sync_gradients` flag, which `accelerator.accumulate` would set only
-    for a fixed accumulation; the ramp changes it from step to step, so the loop sets it itself.
+    for a fixed accumulation; the ramp changes it from step to step, so the loop sets it itself. An abandoned
+    step leaves unsynchronised gradients behind; the run ends there, and nothing steps on them.
     """
     loss_sum = torch.zeros((), device=accelerator.device)
     sequences = seq_len = 0
@@ -143,6 +205,9 @@ def _accumulate_gradients(
         loss_sum += loss.detach()
         sequences += batch["input_ids"].shape[0]
         seq_len = batch["input_ids"].shape[1]
+        if not is_last and cut_short(micro_step + 1, accumulation):
+            accelerator.gradient_state._set_sync_gradients(True)
+            return None
     return loss_sum / accumulation, (sequences, seq_len)
 
 
@@ -167,7 +232,7 @@ class Meter:
 
     def log(
         self, state: TrainState, loss: torch.Tensor, lr: float, sequences: int, grad_norm: torch.Tensor | float | None,
-        clock: WallClock, bar: tqdm | None,
+        bar: ProgressBar | None, seconds_per_micro_batch: float | None = None,
     ) -> None:
         now = time.perf_counter()
         seconds = max(now - self.since, 1e-9)
@@ -184,6 +249,8 @@ class Meter:
         }
         if grad_norm is not None:
             row["grad_norm"] = float(grad_norm)
+        if seconds_per_micro_batch is not None:
+            row["seconds_per_micro_batch"] = seconds_per_micro_batch  # the measured pace that schedules steps
         if self.flops_per_token:
             row["flops_per_second"] = tokens_per_second * self.flops_per_token
             utilisation = mfu(tokens_per_second, self.flops_per_token, self.peak)
@@ -193,16 +260,47 @@ class Meter:
         state.history.append(row)
         self.accelerator.log(row, step=row["step"])
         if bar is not None:
-            bar.set_description_str(describe_row(row, clock.remaining(state.optimizer_steps)), refresh=False)
-            bar.update(round(100 * clock.progress(state.optimizer_steps), 1) - bar.n)  # one redraw per log row
+            bar.show_row(row, state)
 
 
-def describe_row(row: dict, seconds_left: float) -> str:
-    """The progress bar's text: step, loss, lr, tokens/s, MFU (or achieved FLOP/s on the CPU), time left."""
+def describe_row(row: dict) -> str:
+    """A log row on the progress bar: step, loss, lr, batch, tokens/s, MFU (or achieved FLOP/s on the CPU)."""
     text = f"step {row['step']} | loss {row['loss']:.3f} | lr {row['lr']:.2e} | batch {row['batch_size']} | " \
            f"{row['tokens_per_second']:,.0f} tok/s"
     if "mfu" in row:
         text += f" | MFU {row['mfu']:.1%}"
     elif "flops_per_second" in row:
         text += f" | {row['flops_per_second'] / 1e12:.2f} TFLOP/s"
-    return text + f" | {format_seconds(seconds_left)} left"
+    return text
+
+
+class ProgressBar:
+    """The bar: the share of the budget spent, the last log row, where the current step is, and the time left.
+
+    Redrawn at every log row and, between them, whenever `every_seconds` have passed on the run's clock, which
+    the loop asks after every micro-batch and every step."""
+
+    def __init__(self, clock: WallClock, every_seconds: float = BAR_REFRESH_SECONDS):
+        self.clock = clock
+        self.every_seconds = every_seconds
+        self.bar = tqdm(total=100, bar_format="{percentage:3.0f}% |{bar:20}| {desc}", dynamic_ncols=True)
+        self.row_text = ""
+        self.drawn_at = clock.now()
+
+    def show_row(self, row: dict, state: TrainState) -> None:
+        self.row_text = describe_row(row)
+        self.draw(state, "")
+
+    def tick(self, state: TrainState, where: str) -> None:
+        if self.clock.now() - self.drawn_at >= self.every_seconds:
+            self.draw(state, where)
+
+    def draw(self, state: TrainState, where: str) -> None:
+        left = f"{format_seconds(self.clock.remaining(state.optimizer_steps))} left"
+        self.bar.set_description_str(" | ".join(part for part in (self.row_text, where, left) if part), refresh=False)
+        self.bar.n = round(100 * self.clock.progress(state.optimizer_steps), 1)
+        self.bar.refresh()
+        self.drawn_at = self.clock.now()
+
+    def close(self) -> None:
+        self.bar.close()

@@ -35,6 +35,7 @@ from cram.train.curves import write_training_curves
 from cram.train.loop import train
 from cram.train.optim import optimizer_state_bytes
 from cram.train.preemption import Preemption
+from cram.train.ramp import Pace
 from cram.train.runtime import (
     COLLECTIVE_TIMEOUT_MINUTES,
     build_accelerator,
@@ -249,7 +250,7 @@ class RecipeRun:
     def train(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator[dict], clock: WallClock,
         state: TrainState, checkpointer: Checkpointer, *, peak_lr: float, lr_shape: Callable[[float], float],
-        accumulation_at: Callable[[float], int], max_grad_norm: float, flops_per_token: float,
+        accumulation_at: Callable[[Pace], int], max_grad_norm: float, flops_per_token: float,
     ) -> bool:
         """`cram.train.loop.train` with this run's accelerator, logging interval, checkpointer and stop signal."""
         return train(

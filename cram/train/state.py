@@ -14,6 +14,8 @@ class TrainState:
     elapsed: float = 0.0  # seconds of training across every session of the run: the budget clock continues here
     history: list[dict] = field(default_factory=list)  # one row per logged step
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # one tracker run across resumptions
+    # The batch ramp's target once the run has chosen it (`cram.train.ramp.BudgetRamp`): a resumed run keeps it.
+    target_batch_size: int | None = None
 
     @property
     def tokens_per_second(self) -> float:
