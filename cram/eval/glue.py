@@ -42,6 +42,7 @@ from cram.eval.glue_report import (
     task_metrics,
     write_json,
 )
+from cram.hub import add_eval_results_to_card
 from cram.train.runtime import (
     PRECISIONS,
     check_installed_versions,
@@ -353,4 +354,5 @@ def write_report(evaluation: Evaluation, summary: dict, results: list[dict]) -> 
     checkpoint = Path(options.model)
     if evaluation.run.write_eval_results and checkpoint.is_dir():
         write_json(checkpoint / "eval_results.json", eval_results(summary))
+        add_eval_results_to_card(checkpoint, eval_results(summary))  # the Hub shows the card's model-index
         print(f"eval_results.json written beside the checkpoint: {checkpoint / 'eval_results.json'}")
