@@ -43,6 +43,7 @@ from cram.eval.glue_report import (
     write_json,
 )
 from cram.hub import add_eval_results_to_card
+from cram.optional import require_installed
 from cram.train.runtime import (
     PRECISIONS,
     check_installed_versions,
@@ -118,6 +119,8 @@ def seeds_for(task: GlueTask, options: GlueOptions) -> list[int]:
 def prepare_evaluation(options: GlueOptions, run: GlueRunOptions) -> Evaluation:
     """Check the options, the checkpoint, the tokenizer and every task's data; load the data. No training yet."""
     check_installed_versions()
+    for module, package in (("sklearn", "scikit-learn"), ("scipy", "scipy")):
+        require_installed(module, package=package, extra="glue", purpose="GLUE's metrics")
     tasks = parse_tasks(options.tasks)
     if options.seeds < 1 or options.large_task_seeds < 1:
         raise UserError("--seeds and --large-task-seeds must be at least 1: each task needs one fine-tuning.")
