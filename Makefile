@@ -6,15 +6,19 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench bench-data data cram-1gpu clean plan bench-plan
+.PHONY: setup demo test lint bench bench-data data cram-1gpu clean plan bench-plan gpu-report
 
 setup: $(STAMP)
 
+# The package goes in under a constraint pinning the torch already there, so a CUDA build stays. EXTRAS: the optional
+# paths to install (README: Install); the suite needs them all.
+EXTRAS ?= all,dev
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/keep-torch.txt
+	$(BIN)/python -m pip install --quiet -c $(VENV)/keep-torch.txt -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 demo: setup
@@ -29,6 +33,10 @@ lint: setup
 
 bench: setup
 	$(BIN)/python -m cram.bench.train_step
+
+# The check for a new GPU machine: versions, GPUs, auto choices, measured steps; runs/gpu-report/gpu_report.{md,json}.
+gpu-report: setup
+	$(BIN)/python -m cram.bench.gpu_report --output-dir runs/gpu-report
 
 data: setup
 	$(BIN)/python recipes/prepare_data.py embedded --output-dir runs/data

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shlex
 import shutil
 import sys
@@ -21,18 +20,32 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx2
-import yaml
-from huggingface_hub import HfApi, constants
-from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData, constants
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
+from huggingface_hub.utils import validate_repo_id
 
 from cram import __version__
 from cram.errors import UserError, run_cli
 
 CARD_FILE = "README.md"
-# The Hub's own rule for names: letters, digits, '-', '_' and '.', starting and ending with a letter or digit.
-HUB_NAME = r"[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9_])?"
 PIPELINE_TAGS = {"AutoModelForMaskedLM": "fill-mask", "AutoModelForCausalLM": "text-generation"}
+# GLUE result keys (cram.eval.glue_report's eval_results) -> (dataset config, split, metric id on the Hub, title).
+GLUE_RESULTS = {
+    "mnli_matched": ("mnli", "validation_matched", "accuracy", "MNLI matched"),
+    "mnli_mismatched": ("mnli", "validation_mismatched", "accuracy", "MNLI mismatched"),
+    "qqp": ("qqp", "validation", "f1", "QQP"),
+    "qnli": ("qnli", "validation", "accuracy", "QNLI"),
+    "sst2": ("sst2", "validation", "accuracy", "SST-2"),
+    "cola": ("cola", "validation", "matthews_correlation", "CoLA"),
+    "stsb": ("stsb", "validation", "pearsonr", "STS-B"),
+    "mrpc": ("mrpc", "validation", "f1", "MRPC"),
+    "rte": ("rte", "validation", "accuracy", "RTE"),
+    "glue_average": (None, "validation", "average", "GLUE average"),
+}
+# The HTTP library's base error, whichever huggingface_hub uses (httpx, httpx2): huggingface_hub exports no
+# transport error of its own, but its HfHubHTTPError derives from that base, as do connection refused, DNS
+# failures and timeouts.
+HTTP_LIBRARY_ERROR = next(base for base in HfHubHTTPError.__mro__[1:] if base.__name__ == "HTTPError")
 
 
 class HubUnreachable(UserError):
@@ -58,16 +71,18 @@ class ModelCardFacts:
 
 
 def render_model_card(facts: ModelCardFacts) -> str:
-    """The checkpoint's README.md: YAML front matter the Hub reads, then the model, training, evaluation, loading."""
-    metadata: dict[str, object] = {"library_name": "transformers", "license": "apache-2.0"}
-    if facts.auto_class in PIPELINE_TAGS:
-        metadata["pipeline_tag"] = PIPELINE_TAGS[facts.auto_class]
-    metadata["tags"] = ["cram", "pretrained-from-scratch"]
-    front_matter = yaml.safe_dump(metadata, sort_keys=False, allow_unicode=True)
+    """The checkpoint's README.md: YAML front matter the Hub reads (with GLUE results as model-index metadata, so the
+    Hub shows the scores), then the model, training, evaluation, loading."""
+    card_data = ModelCardData(
+        library_name="transformers", license="apache-2.0", pipeline_tag=PIPELINE_TAGS.get(facts.auto_class),
+        tags=["cram", "pretrained-from-scratch"], model_name=facts.repo_id.split("/")[-1],
+        eval_results=glue_eval_results(facts.eval_results) or None,
+    )
+    front_matter = card_data.to_yaml()
 
     remote_code = ", trust_remote_code=True" if facts.trust_remote_code else ""
     lines = [
-        "---", front_matter.rstrip("\n"), "---", "",
+        "---", front_matter, "---", "",
         f"# {facts.repo_id.split('/')[-1]}", "",
         "A language model pretrained from scratch with `cram`.", "",
         "## Model", "",
@@ -102,7 +117,19 @@ def render_model_card(facts: ModelCardFacts) -> str:
             "`trust_remote_code=True` runs the modelling file stored in this repository, so the model loads "
             "without installing `cram`; read that file first if you do not trust its source.",
         ]
-    return "\n".join(lines) + "\n"
+    return ModelCard("\n".join(lines) + "\n").content
+
+
+def glue_eval_results(results: dict[str, float] | None) -> list[EvalResult]:
+    """GLUE scores as the Hub's model-index entries: one per task (its config, split and headline metric)."""
+    entries = []
+    for key, score in (results or {}).items():
+        config, split, metric, title = GLUE_RESULTS.get(key, (key, "validation", "score", key))
+        entries.append(EvalResult(
+            task_type="text-classification", dataset_type="nyu-mll/glue", dataset_name=f"GLUE {title}",
+            dataset_config=config, dataset_split=split, metric_type=metric, metric_value=float(score),
+        ))
+    return entries
 
 
 def short_count(count: int) -> str:
@@ -119,23 +146,46 @@ def write_model_card(checkpoint_dir: str | Path, facts: ModelCardFacts) -> Path:
     if not checkpoint_dir.is_dir():
         raise UserError(f"the checkpoint folder {checkpoint_dir} does not exist: save the checkpoint before its card.")
     card_path = checkpoint_dir / CARD_FILE
-    staging = tempfile.NamedTemporaryFile(
-        "w", encoding="utf-8", dir=checkpoint_dir, prefix=f".{CARD_FILE}.", suffix=".tmp", delete=False
-    )
-    try:
-        with staging:
-            staging.write(render_model_card(facts))
-        os.replace(staging.name, card_path)
-    except BaseException:
-        Path(staging.name).unlink(missing_ok=True)  # the folder gets uploaded whole: leave nothing stray in it
-        raise
+    _write_atomically(card_path, render_model_card(facts))
     return card_path
 
 
+def add_eval_results_to_card(checkpoint_dir: str | Path, results: dict[str, float]) -> Path | None:
+    """Put GLUE results into the model-index metadata of the card beside a checkpoint (replacing earlier ones), so
+    the next push shows them on the Hub; None where the folder has no card."""
+    card_path = Path(checkpoint_dir) / CARD_FILE
+    if not card_path.is_file():
+        return None
+    card = ModelCard.load(card_path)
+    card.data.model_name = card.data.model_name or Path(checkpoint_dir).name
+    card.data.eval_results = glue_eval_results(results) or None
+    _write_atomically(card_path, str(card))
+    return card_path
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write under a temporary name in the same folder, then rename: a crash never leaves half a file."""
+    staging = tempfile.NamedTemporaryFile(
+        "w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False
+    )
+    try:
+        with staging:
+            staging.write(text)
+        os.replace(staging.name, path)
+    except BaseException:
+        Path(staging.name).unlink(missing_ok=True)  # the folder gets uploaded whole: leave nothing stray in it
+        raise
+
+
 def check_repo_id(repo_id: str) -> None:
-    """Refuse anything but ORG/NAME before any request, so a typo costs no upload."""
-    name_ok = re.fullmatch(f"{HUB_NAME}/{HUB_NAME}", repo_id) and ".." not in repo_id and "--" not in repo_id
-    if not name_ok or repo_id.endswith(".git"):
+    """Refuse anything but ORG/NAME (by huggingface_hub's own rule for names) before any request, so a typo costs no
+    upload."""
+    try:
+        validate_repo_id(repo_id)
+        valid = repo_id.count("/") == 1
+    except HFValidationError:
+        valid = False
+    if not valid:
         raise UserError(
             f"the Hub repository {repo_id!r} is not of the form ORG/NAME: give your user or organisation name, "
             "a slash and a model name made of letters, digits, '-', '_' and '.', e.g. my-org/crammed-bert."
@@ -205,8 +255,6 @@ def push_checkpoint(
             f"HF_HUB_OFFLINE is set, so {repo_id} was not pushed to {endpoint}: the checkpoint is saved at "
             f"{checkpoint_dir}; unset HF_HUB_OFFLINE and push it later with `{command}`."
         ) from err
-    except httpx2.TransportError as err:  # connection refused, DNS failure, timeout, dropped connection
-        raise HubUnreachable(f"could not reach the Hugging Face Hub at {endpoint} to push {repo_id}: {later}.") from err
     except HfHubHTTPError as err:
         status = err.response.status_code
         if status in (401, 403):
@@ -219,6 +267,8 @@ def push_checkpoint(
         raise UserError(
             f"the Hugging Face Hub at {endpoint} refused to push {repo_id} (HTTP {status}: {reason}); {later}."
         ) from err
+    except HTTP_LIBRARY_ERROR as err:  # connection refused, DNS failure, timeout, dropped connection
+        raise HubUnreachable(f"could not reach the Hugging Face Hub at {endpoint} to push {repo_id}: {later}.") from err
     return str(commit.commit_url)
 
 
@@ -228,7 +278,9 @@ class BackgroundPusher:
     collective); `finish()` waits for the pending ones.
 
     A pushed folder is deleted (give it a copy made for the upload); one whose push fails is kept, and a warning
-    says how to push it later: a failed intermediate push must not end a long run.
+    says how to push it later: a failed intermediate push must not end a long run. `upload_folder(run_as_future=
+    True)` would defer only the upload: each push here also creates its branch first, and must delete its copy or
+    warn once the upload is done, so the whole `push_checkpoint` runs in the background.
     """
 
     def __init__(self, repo_id: str, *, private: bool = True) -> None:

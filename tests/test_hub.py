@@ -12,11 +12,19 @@ from pathlib import Path
 import pytest
 import yaml
 from hub_standin import HubStandIn, closed_port
-from huggingface_hub import constants
+from huggingface_hub import ModelCard, constants
 
 from cram.data.tokenizer import train_wordpiece
 from cram.errors import UserError, run_cli
-from cram.hub import HubUnreachable, ModelCardFacts, main, push_checkpoint, render_model_card, write_model_card
+from cram.hub import (
+    HubUnreachable,
+    ModelCardFacts,
+    add_eval_results_to_card,
+    main,
+    push_checkpoint,
+    render_model_card,
+    write_model_card,
+)
 from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
 from cram.train.checkpoint import save_checkpoint
 
@@ -233,3 +241,30 @@ def test_writing_the_card_replaces_it_whole_and_leaves_no_temporary_file(checkpo
     assert path == checkpoint / "README.md"
     assert path.read_text(encoding="utf-8") == render_model_card(facts())
     assert set(folder_contents(checkpoint)) == before | {"README.md"}
+
+
+def test_the_cards_glue_results_read_back_as_model_index_by_huggingface_hubs_parser(tmp_path):
+    results = {"mnli_matched": 0.80, "cola": 0.25, "stsb": 0.85, "glue_average": 0.7}
+    card = ModelCard(render_model_card(facts(eval_results=results)))
+    parsed = {(entry.dataset_config, entry.dataset_split, entry.metric_type): entry.metric_value
+              for entry in card.data.eval_results}
+    assert parsed == {
+        ("mnli", "validation_matched", "accuracy"): 0.80, ("cola", "validation", "matthews_correlation"): 0.25,
+        ("stsb", "validation", "pearsonr"): 0.85, (None, "validation", "average"): 0.7,
+    }
+    assert {entry.dataset_type for entry in card.data.eval_results} == {"nyu-mll/glue"}
+    assert card.data.to_dict()["model-index"][0]["name"] == REPO_ID.split("/")[-1]
+    assert ModelCard(render_model_card(facts(eval_results=None))).data.eval_results is None
+
+
+def test_glue_results_added_to_a_written_card_replace_earlier_ones_and_keep_the_rest(checkpoint):
+    write_model_card(checkpoint, facts(eval_results={"sst2": 0.5}))
+    add_eval_results_to_card(checkpoint, {"sst2": 0.81, "rte": 0.6})
+    card = ModelCard.load(checkpoint / "README.md")
+    assert {(entry.dataset_config, entry.metric_value) for entry in card.data.eval_results} == {
+        ("sst2", 0.81), ("rte", 0.6)}
+    assert card.data.license == "apache-2.0" and "- Optimizer steps: 1,000" in card.text
+    assert not list(checkpoint.glob(".README.md.*"))
+    (checkpoint / "README.md").unlink()
+    assert add_eval_results_to_card(checkpoint, {"sst2": 0.81}) is None
+

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from cram.data.causal import causal_lm_batch, load_causal_data
 from cram.errors import UserError, run_cli
+from cram.optional import import_optional
 
 # The zero-shot tasks of the Pythia paper's evaluation table.
 PYTHIA_TASKS = ("lambada_openai", "piqa", "winogrande", "wsc", "arc_easy", "arc_challenge", "sciq", "logiqa")
@@ -67,7 +68,7 @@ def run_lm_eval(
     batch_size: int = 8, device: str | None = None,
 ) -> dict[str, dict[str, float]]:
     """Score `checkpoint` on lm-eval `tasks` (zero-shot); {task: {metric: value}} with lm-eval's metric names."""
-    from lm_eval import simple_evaluate
+    lm_eval = import_optional("lm_eval", package="lm-eval", extra="lm-eval", purpose="scoring lm-eval --tasks")
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=str(include_path) if include_path else None)
@@ -76,7 +77,7 @@ def run_lm_eval(
         raise UserError(f"lm-eval knows no task {', '.join(unknown)}: check the name, or give the folder of its YAML "
                         "with --include-path.")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    results = simple_evaluate(
+    results = lm_eval.simple_evaluate(
         model="hf", model_args={"pretrained": str(checkpoint), "dtype": "float32" if device == "cpu" else "auto"},
         tasks=tasks, task_manager=manager, limit=limit, batch_size=batch_size, device=device, log_samples=False,
         num_fewshot=0,

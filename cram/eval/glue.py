@@ -44,6 +44,8 @@ from cram.eval.glue_report import (
     task_metrics,
     write_json,
 )
+from cram.hub import add_eval_results_to_card
+from cram.optional import require_installed
 from cram.train.runtime import (
     PRECISIONS,
     check_installed_versions,
@@ -121,6 +123,8 @@ def seeds_for(task: GlueTask, options: GlueOptions) -> list[int]:
 def prepare_evaluation(options: GlueOptions, run: GlueRunOptions) -> Evaluation:
     """Check the options, the checkpoint, the tokenizer and every task's data; load the data. No training yet."""
     check_installed_versions()
+    for module, package in (("sklearn", "scikit-learn"), ("scipy", "scipy")):
+        require_installed(module, package=package, extra="glue", purpose="GLUE's metrics")
     tasks = parse_tasks(options.tasks)
     if options.seeds < 1 or options.large_task_seeds < 1:
         raise UserError("--seeds and --large-task-seeds must be at least 1: each task needs one fine-tuning.")
@@ -364,4 +368,5 @@ def write_report(evaluation: Evaluation, summary: dict, results: list[dict]) -> 
     checkpoint = Path(options.model)
     if evaluation.run.write_eval_results and checkpoint.is_dir():
         write_json(checkpoint / "eval_results.json", eval_results(summary))
+        add_eval_results_to_card(checkpoint, eval_results(summary))  # the Hub shows the card's model-index
         print(f"eval_results.json written beside the checkpoint: {checkpoint / 'eval_results.json'}")

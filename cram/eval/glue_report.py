@@ -1,4 +1,4 @@
-"""GLUE metrics (scikit-learn/scipy), the median over seeds, and the report: markdown, JSON, bar chart.
+"""GLUE metrics (scikit-learn/scipy: the `glue` extra), the median over seeds, and the report: markdown, JSON, chart.
 
 The headline layout is REFERENCE.md's: MNLI m/mm, QQP, QNLI, SST-2, CoLA, STS-B, MRPC, RTE and the average of
 those 9 numbers (MNLI counted twice), ×100, with the published crammed-BERT and BERT-base rows beside ours. Ours is
@@ -15,8 +15,8 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from scipy.stats import pearsonr, spearmanr
-from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
+
+from cram.optional import import_optional
 
 # The headline's 9 numbers: (result key, primary metric, column title).
 HEADLINE = [
@@ -43,15 +43,18 @@ PUBLISHED = {
 def task_metrics(result_key: str, predictions: np.ndarray, labels: np.ndarray) -> dict[str, float]:
     """The protocol's metric for one dev set plus the secondary ones people quote; `predictions` are the model's
     outputs (class logits, or the score for STS-B)."""
+    stats = import_optional("scipy.stats", package="scipy", extra="glue", purpose="GLUE's metrics")
+    sklearn_metrics = import_optional("sklearn.metrics", package="scikit-learn", extra="glue", purpose="GLUE's metrics")
     if result_key == "stsb":
         scores = predictions.reshape(-1).astype(np.float64)
-        return {"pearson": float(pearsonr(scores, labels)[0]), "spearman": float(spearmanr(scores, labels)[0])}
+        return {"pearson": float(stats.pearsonr(scores, labels)[0]),
+                "spearman": float(stats.spearmanr(scores, labels)[0])}
     classes = predictions.argmax(-1) if predictions.ndim == 2 else predictions
-    metrics = {"accuracy": float(accuracy_score(labels, classes))}
+    metrics = {"accuracy": float(sklearn_metrics.accuracy_score(labels, classes))}
     if result_key == "cola":
-        metrics["matthews"] = float(matthews_corrcoef(labels, classes))
+        metrics["matthews"] = float(sklearn_metrics.matthews_corrcoef(labels, classes))
     if result_key in ("mrpc", "qqp"):
-        metrics["f1"] = float(f1_score(labels, classes))
+        metrics["f1"] = float(sklearn_metrics.f1_score(labels, classes))
     return metrics
 
 

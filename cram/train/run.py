@@ -21,6 +21,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from cram.cli import option
 from cram.errors import UserError
 from cram.hub import BackgroundPusher, ModelCardFacts, check_repo_id, push_checkpoint, write_model_card
+from cram.optional import require_installed
 from cram.train.budget import WallClock
 from cram.train.checkpoint import (
     Checkpointer,
@@ -85,6 +86,9 @@ def check_run_options(options: RunOptions) -> None:
     """Refuse run options a user got wrong, before anything starts."""
     if options.report_to not in TRACKERS:
         raise UserError(f"unknown tracker {options.report_to!r}: choose one of {', '.join(TRACKERS)}.")
+    if options.report_to != "none":
+        require_installed(options.report_to, package=options.report_to, extra=options.report_to,
+                          purpose=f"--report-to {options.report_to}")
     if options.checkpoint_every < 0 or options.checkpoint_every_minutes < 0:
         raise UserError("checkpoint intervals cannot be negative: give 0 to turn one off.")
     if options.keep_checkpoints < 1:
