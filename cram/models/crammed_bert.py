@@ -28,6 +28,8 @@ from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput, SequenceClassifierOutput
 
+from cram.devices import cpu_has_bf16_units
+
 IGNORE_INDEX = -100
 
 # Model sizes by name. `crammed-bert` is the paper's model; the others exist for smoke runs and the demo.
@@ -154,7 +156,7 @@ def attention_path_for(device_type: str, low_precision: bool) -> str:
 
 
 # Read once at import: the forward pass consults it on every call.
-CPU_HAS_BF16_UNITS = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+CPU_HAS_BF16_UNITS = cpu_has_bf16_units()
 
 
 def plain_attention(

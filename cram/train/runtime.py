@@ -27,6 +27,7 @@ from accelerate.utils import (
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+from cram.devices import cpu_has_bf16_units
 from cram.errors import UserError
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
@@ -155,16 +156,6 @@ def gpu_has_bf16_units() -> bool:
     """Native bf16 on this GPU (Ampere and newer). `torch.cuda.is_bf16_supported()` also says yes where bf16 is
     only emulated (V100, T4: compute capability 7.x), which is slow there and keeps fp16 from ever running."""
     return torch.cuda.get_device_capability() >= (8, 0)
-
-
-def cpu_has_bf16_units() -> bool:
-    return _torch_cpu_flag("_is_amx_tile_supported") or _torch_cpu_flag("_is_avx512_bf16_supported")
-
-
-def _torch_cpu_flag(name: str) -> bool:
-    """A private `torch.cpu` feature probe, False where this torch release lacks it (they are not public API)."""
-    probe = getattr(torch.cpu, name, None)
-    return bool(probe()) if callable(probe) else False
 
 
 def resolve_compile(choice: str, device_type: str) -> bool:
