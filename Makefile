@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench bench-data data cram-1gpu clean plan bench-plan
+.PHONY: setup demo test test-fast lint bench bench-data data cram-1gpu clean plan bench-plan
 
 setup: $(STAMP)
 
@@ -23,6 +23,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# The inner loop: every test that starts no recipe process of its own (the `launch` mark, tests/conftest.py).
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not launch"
 
 lint: setup
 	$(BIN)/ruff check cram recipes tests
