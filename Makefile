@@ -24,9 +24,10 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q
 
-# The inner loop: every test that starts no recipe process of its own (the `launch` mark, tests/conftest.py).
+# The inner loop: no test that starts a recipe process of its own (the `launch` mark, tests/conftest.py) or is
+# marked `slow` (lm-eval's task registry, in-process compilation).
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not launch"
+	$(BIN)/python -m pytest -q -m "not launch and not slow"
 
 lint: setup
 	$(BIN)/ruff check cram recipes tests
