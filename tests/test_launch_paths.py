@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import COLLECTIVE_TIMEOUT_MINUTES, PREPARATION_SECONDS
+from safetensors.torch import load_file
 from transformers import AutoModelForMaskedLM
 
 import cram  # noqa: F401 - registers the Auto classes
@@ -38,8 +40,13 @@ def test_a_compiled_two_process_run_trains_through_inductors_code_and_saves_a_pl
     # Inductor writes the code it generates to its cache: the trace that the steps ran through a compiled model.
     generated = [path for path in run.inductor_cache.rglob("*.py") if "def call(" in path.read_text()]
     assert generated, "no code was compiled"
-    model = AutoModelForMaskedLM.from_pretrained(run.output_dir / "final")
-    assert not any(key.startswith("_orig_mod") for key in model.state_dict())
+    # The saved names are the model's own, so every weight loads (a compiled model's `_orig_mod.` names would leave
+    # from_pretrained initialising all of them afresh, silently).
+    saved = load_file(run.output_dir / "final" / "model.safetensors")
+    assert not [key for key in saved if key.startswith("_orig_mod")]
+    model, loading = AutoModelForMaskedLM.from_pretrained(run.output_dir / "final", output_loading_info=True)
+    assert not any(loading.values()), loading
+    torch.testing.assert_close(model.state_dict()["bert.final_norm.weight"], saved["bert.final_norm.weight"])
 
 
 @pytest.mark.slow
