@@ -81,8 +81,9 @@ class TwoProcessLaunch:
 
 # Each launch serves several checks: equality with one process (tests/test_distributed.py), and the launch path's
 # effects (tests/test_launch_paths.py): a collective timeout outlasted, inductor's code run under DDP and ZeRO-2.
+SLOWED_PREPARATION = "ddp-slowed-preparation"
 TWO_PROCESS_LAUNCHES = {
-    "ddp-slowed-preparation": TwoProcessLaunch("cpu-ddp", slowed_preparation=True),
+    SLOWED_PREPARATION: TwoProcessLaunch("cpu-ddp", slowed_preparation=True),
     "ddp-compiled": TwoProcessLaunch("cpu-ddp", compiled=True),
     "zero1": TwoProcessLaunch("cpu-zero1"),
     "zero2-compiled": TwoProcessLaunch("cpu-zero2", compiled=True),
@@ -99,35 +100,35 @@ class LaunchedRun:
 
 
 @pytest.fixture(scope="session")
-def single_process_reference(tmp_path_factory, recipe_env) -> Path:
-    """The 2-process runs' reference: one process, 16 sequences per micro-batch, the same global batch."""
-    output_dir = tmp_path_factory.mktemp("single")
-    command = [sys.executable, REPO / "recipes" / "cram.py", *DISTRIBUTED_RUN, "--micro-batch-size", "16",
-               "--output-dir", output_dir]
-    completed = subprocess.run(command, env=recipe_env, capture_output=True, text=True, timeout=HANG_GUARD)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    return output_dir
+def distributed_cache(tmp_path_factory, cram_cache) -> Path:
+    """The data cache of the 2-process runs and their reference: only the corpus's text at first, so the
+    slowed-preparation launch prepares the set itself, and every other run then trains on the set it prepared."""
+    cache = tmp_path_factory.mktemp("distributed-cache")
+    shutil.copytree(cram_cache / "embedded", cache / "embedded")
+    return cache
 
 
 @pytest.fixture(scope="session")
-def two_process_run(tmp_path_factory, recipe_env, cram_cache) -> Callable[[str], LaunchedRun]:
-    """`two_process_run(name)` launches TWO_PROCESS_LAUNCHES[name] the first time it is asked for, then reuses it."""
+def two_process_run(tmp_path_factory, recipe_env, distributed_cache) -> Callable[[str], LaunchedRun]:
+    """`two_process_run(name)` launches TWO_PROCESS_LAUNCHES[name] the first time it is asked for, then reuses it.
+
+    The slowed-preparation launch always goes first: it must find the set unprepared."""
     launched: dict[str, LaunchedRun] = {}
 
     def run(name: str) -> LaunchedRun:
         if name in launched:
             return launched[name]
         launch = TWO_PROCESS_LAUNCHES[name]
+        if not launch.slowed_preparation:
+            run(SLOWED_PREPARATION)
         folder = tmp_path_factory.mktemp(name)
         result = LaunchedRun(folder / "run", 0.0, folder / "inductor", folder / "group-timeouts")
         result.group_timeouts.mkdir()
-        env = {**recipe_env, "TORCHINDUCTOR_CACHE_DIR": str(result.inductor_cache)}
+        env = {**recipe_env, "CRAM_CACHE": str(distributed_cache),
+               "TORCHINDUCTOR_CACHE_DIR": str(result.inductor_cache)}
         script, options = REPO / "recipes" / "cram.py", ["--compile", "true" if launch.compiled else "false"]
         if launch.slowed_preparation:
-            # A cache holding only the corpus's text, so this run prepares the set itself.
-            (folder / "cache").mkdir()
-            shutil.copytree(cram_cache / "embedded", folder / "cache" / "embedded")
-            env.update(CRAM_CACHE=str(folder / "cache"), CRAM_TEST_PREPARATION_SECONDS=str(PREPARATION_SECONDS),
+            env.update(CRAM_TEST_PREPARATION_SECONDS=str(PREPARATION_SECONDS),
                        CRAM_TEST_GROUP_TIMEOUT_DIR=str(result.group_timeouts))
             script = REPO / "tests" / "slow_preparation.py"
             options += ["--collective-timeout-minutes", str(COLLECTIVE_TIMEOUT_MINUTES)]
@@ -141,3 +142,21 @@ def two_process_run(tmp_path_factory, recipe_env, cram_cache) -> Callable[[str],
         return launched[name]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def distributed_env(recipe_env, distributed_cache, two_process_run) -> dict[str, str]:
+    """The environment of every other run compared with the 2-process runs: their data cache, once prepared."""
+    two_process_run(SLOWED_PREPARATION)
+    return {**recipe_env, "CRAM_CACHE": str(distributed_cache)}
+
+
+@pytest.fixture(scope="session")
+def single_process_reference(tmp_path_factory, distributed_env) -> Path:
+    """The 2-process runs' reference: one process, 16 sequences per micro-batch, the same global batch."""
+    output_dir = tmp_path_factory.mktemp("single")
+    command = [sys.executable, REPO / "recipes" / "cram.py", *DISTRIBUTED_RUN, "--micro-batch-size", "16",
+               "--output-dir", output_dir]
+    completed = subprocess.run(command, env=distributed_env, capture_output=True, text=True, timeout=HANG_GUARD)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return output_dir

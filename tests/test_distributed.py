@@ -197,14 +197,14 @@ def test_each_deepspeed_json_value_that_conflicts_with_the_recipe_is_refused(key
 
 @pytest.mark.slow
 def test_sigterm_to_one_zero3_rank_stops_all_and_the_run_resumes_to_the_one_process_model(
-    tmp_path, recipe_env, single_process_reference
+    tmp_path, distributed_env, single_process_reference
 ):
     # SIGTERM to rank 1 alone: rank 0 must learn of it and stop on the same step, or rank 1 would leave it
     # waiting in a collective.
     config = REPO / "accel_configs" / "cpu-zero3.yaml"
     command = [ACCELERATE, "launch", "-q", "--config_file", config, RECIPE, *RUN, "--micro-batch-size", "8",
                "--output-dir", tmp_path, "--checkpoint-every", "1"]
-    launcher = subprocess.Popen(command, cwd=REPO, env=recipe_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    launcher = subprocess.Popen(command, cwd=REPO, env=distributed_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, start_new_session=True)
     first = tmp_path / "checkpoints" / "step-00000001" / STATE_FILE
     while not first.exists() and launcher.poll() is None:
@@ -216,7 +216,8 @@ def test_sigterm_to_one_zero3_rank_stops_all_and_the_run_resumes_to_the_one_proc
     assert not (tmp_path / "final").exists()
     stopped_at = int(complete_checkpoints(tmp_path / "checkpoints")[-1].name.split("-")[1])
     assert stopped_at < 4
-    resumed = launch(config, tmp_path, recipe_env, "--checkpoint-every", "1", "--resume", "auto", after_recipe=True)
+    resumed = launch(config, tmp_path, distributed_env, "--checkpoint-every", "1", "--resume", "auto",
+                     after_recipe=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["resumed_from"] is not None
