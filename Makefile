@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench bench-data data cram-1gpu clean plan bench-plan gpu-report
+.PHONY: setup demo test test-fast lint bench bench-data data cram-1gpu clean plan bench-plan gpu-report
 
 setup: $(STAMP)
 
@@ -27,6 +27,11 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# The inner loop: no test that starts a recipe process of its own (the `launch` mark, tests/conftest.py) or is
+# marked `slow` (lm-eval's task registry, in-process compilation).
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not launch and not slow"
 
 lint: setup
 	$(BIN)/ruff check cram recipes tests

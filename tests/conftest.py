@@ -1,10 +1,15 @@
-"""Fixtures shared by the test modules."""
+"""Fixtures shared by the test modules, and the 2-process launches that several test modules inspect."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -27,6 +32,19 @@ def cpu_bf16_units(request, monkeypatch) -> bool:
     monkeypatch.setattr(runtime, "cpu_has_bf16_units", lambda: request.param)
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
     return request.param
+
+REPO = Path(__file__).resolve().parents[1]
+ACCELERATE = Path(sys.executable).with_name("accelerate")
+# Guards against a hung run, not speed limits: a loaded machine may take many times a quiet one's minute.
+HANG_GUARD = 1800
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `launch` every test that starts a recipe in processes of its own (all of them get `recipe_env`, directly
+    or through a fixture), so `make test-fast` can leave them out."""
+    for item in items:
+        if "recipe_env" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.launch)
 
 
 @pytest.fixture(scope="session")
@@ -58,3 +76,104 @@ def cram_cache(tmp_path_factory, embedded_corpus: Path) -> Path:
 def recipe_env(cram_cache: Path) -> dict[str, str]:
     """The environment recipe subprocesses run in: the session's data cache, no tokenizer thread warnings."""
     return {**os.environ, "CRAM_CACHE": str(cram_cache), "TOKENIZERS_PARALLELISM": "false"}
+
+
+# The recipe command of the 2-process runs and of their 1-process reference: a step budget, fp32, and a global
+# micro-step of 16 sequences (16 on one process, or 8 on each of two); a target of 64 accumulates up to 4 of them.
+DISTRIBUTED_RUN = ["--preset", "tiny", "--max-steps", "4", "--target-batch-size", "64", "--precision", "fp32",
+                   "--log-every", "1"]
+COLLECTIVE_TIMEOUT_MINUTES = 0.5
+PREPARATION_SECONDS = 45  # longer than the collective timeout
+
+
+@dataclass(frozen=True)
+class TwoProcessLaunch:
+    """One launch of `recipes/cram.py` on 2 CPU processes, shared by every test that inspects it."""
+
+    config: str  # accel_configs/<config>.yaml
+    compiled: bool = False
+    # Prepare the data afresh, slowed past a short collective timeout (tests/slow_preparation.py).
+    slowed_preparation: bool = False
+
+
+# Each launch serves several checks: equality with one process (tests/test_distributed.py), and the launch path's
+# effects (tests/test_launch_paths.py): a collective timeout outlasted, inductor's code run under DDP and ZeRO-2.
+SLOWED_PREPARATION = "ddp-slowed-preparation"
+TWO_PROCESS_LAUNCHES = {
+    SLOWED_PREPARATION: TwoProcessLaunch("cpu-ddp", slowed_preparation=True),
+    "ddp-compiled": TwoProcessLaunch("cpu-ddp", compiled=True),
+    "zero1": TwoProcessLaunch("cpu-zero1"),
+    "zero2-compiled": TwoProcessLaunch("cpu-zero2", compiled=True),
+    "zero3-offload": TwoProcessLaunch("cpu-zero3-offload"),
+}
+
+
+@dataclass(frozen=True)
+class LaunchedRun:
+    output_dir: Path
+    seconds: float  # wall time of the launch
+    inductor_cache: Path  # TORCHINDUCTOR_CACHE_DIR: inductor writes the code it generates there
+    group_timeouts: Path  # rank-N.json: the process group's timeout (slowed-preparation launches only)
+
+
+@pytest.fixture(scope="session")
+def distributed_cache(tmp_path_factory, cram_cache) -> Path:
+    """The data cache of the 2-process runs and their reference: only the corpus's text at first, so the
+    slowed-preparation launch prepares the set itself, and every other run then trains on the set it prepared."""
+    cache = tmp_path_factory.mktemp("distributed-cache")
+    shutil.copytree(cram_cache / "embedded", cache / "embedded")
+    return cache
+
+
+@pytest.fixture(scope="session")
+def two_process_run(tmp_path_factory, recipe_env, distributed_cache) -> Callable[[str], LaunchedRun]:
+    """`two_process_run(name)` launches TWO_PROCESS_LAUNCHES[name] the first time it is asked for, then reuses it.
+
+    The slowed-preparation launch always goes first: it must find the set unprepared."""
+    launched: dict[str, LaunchedRun] = {}
+
+    def run(name: str) -> LaunchedRun:
+        if name in launched:
+            return launched[name]
+        launch = TWO_PROCESS_LAUNCHES[name]
+        if not launch.slowed_preparation:
+            run(SLOWED_PREPARATION)
+        folder = tmp_path_factory.mktemp(name)
+        result = LaunchedRun(folder / "run", 0.0, folder / "inductor", folder / "group-timeouts")
+        result.group_timeouts.mkdir()
+        env = {**recipe_env, "CRAM_CACHE": str(distributed_cache),
+               "TORCHINDUCTOR_CACHE_DIR": str(result.inductor_cache)}
+        script, options = REPO / "recipes" / "cram.py", ["--compile", "true" if launch.compiled else "false"]
+        if launch.slowed_preparation:
+            env.update(CRAM_TEST_PREPARATION_SECONDS=str(PREPARATION_SECONDS),
+                       CRAM_TEST_GROUP_TIMEOUT_DIR=str(result.group_timeouts))
+            script = REPO / "tests" / "slow_preparation.py"
+            options += ["--collective-timeout-minutes", str(COLLECTIVE_TIMEOUT_MINUTES)]
+        command = [ACCELERATE, "launch", "-q", "--config_file", REPO / "accel_configs" / f"{launch.config}.yaml",
+                   script, *DISTRIBUTED_RUN, "--micro-batch-size", "8", "--output-dir", result.output_dir, *options]
+        started = time.monotonic()
+        completed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_GUARD)
+        assert completed.returncode == 0, f"{name}: {completed.stderr[-3000:]}"
+        launched[name] = LaunchedRun(result.output_dir, time.monotonic() - started, result.inductor_cache,
+                                     result.group_timeouts)
+        return launched[name]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def distributed_env(recipe_env, distributed_cache, two_process_run) -> dict[str, str]:
+    """The environment of every other run compared with the 2-process runs: their data cache, once prepared."""
+    two_process_run(SLOWED_PREPARATION)
+    return {**recipe_env, "CRAM_CACHE": str(distributed_cache)}
+
+
+@pytest.fixture(scope="session")
+def single_process_reference(tmp_path_factory, distributed_env) -> Path:
+    """The 2-process runs' reference: one process, 16 sequences per micro-batch, the same global batch."""
+    output_dir = tmp_path_factory.mktemp("single")
+    command = [sys.executable, REPO / "recipes" / "cram.py", *DISTRIBUTED_RUN, "--micro-batch-size", "16",
+               "--output-dir", output_dir]
+    completed = subprocess.run(command, env=distributed_env, capture_output=True, text=True, timeout=HANG_GUARD)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return output_dir

@@ -14,6 +14,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForMaskedLM, AutoTokenizer
@@ -309,8 +310,13 @@ def test_a_compiled_run_saves_a_plain_checkpoint(tmp_path, recipe_env):
     assert summary["optimizer_steps"] == 1
     generated = [path for path in inductor_cache.rglob("*.py") if "def call(" in path.read_text()]
     assert generated, "no code was compiled"
-    model = AutoModelForMaskedLM.from_pretrained(output_dir / "final")
-    assert not any(key.startswith("_orig_mod") for key in model.state_dict())
+    # The saved names are the model's own, so every weight loads (a compiled model's `_orig_mod.` names would leave
+    # from_pretrained initialising all of them afresh, silently).
+    saved = load_file(output_dir / "final" / "model.safetensors")
+    assert not [key for key in saved if key.startswith("_orig_mod")]
+    model, loading = AutoModelForMaskedLM.from_pretrained(output_dir / "final", output_loading_info=True)
+    assert not any(loading.values()), loading
+    torch.testing.assert_close(model.state_dict()["bert.final_norm.weight"], saved["bert.final_norm.weight"])
 
 
 @pytest.mark.slow

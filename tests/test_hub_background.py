@@ -18,6 +18,9 @@ from cram.hub import BackgroundPusher
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "cram.py"
 TOKEN = "hf_background_secret_0123456789"
+# Hang guards, not speed limits: returning from submit() takes milliseconds, a 3-step recipe run a minute or two.
+SUBMIT_GUARD_SECONDS = 120
+RUN_GUARD_SECONDS = 900
 
 
 class SlowHub(HubStandIn):
@@ -51,22 +54,42 @@ def checkpoint_folder(path: Path, step: int) -> Path:
     return path
 
 
+def commit_order(hub: HubStandIn) -> list[str]:
+    """The revisions commits were made to, in the order they reached the Hub."""
+    return [request.path.rsplit("/", 1)[1] for request in hub.requests if "/commit/" in request.path]
+
+
 def test_submitting_returns_while_an_upload_waits_and_finish_waits_for_all_in_order(tmp_path, monkeypatch):
     with SlowHub(token=TOKEN) as hub:
         monkeypatch.setenv("HF_TOKEN", TOKEN)
         monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
         pusher = BackgroundPusher("lab/tiny")
         folders = [checkpoint_folder(tmp_path / f"step-{step}", step) for step in (1, 2, 3)]
-        for step, folder in enumerate(folders, start=1):
-            pusher.submit(folder, revision=f"step-{step}")
-        # All three were handed over while the first upload is held at the gate: nothing has landed yet.
-        assert "lab/tiny" not in hub.repos or all(not hub.repos["lab/tiny"].commits.get(f"step-{step}")
-                                                  for step in (1, 2, 3))
-        hub.gate.set()
+        failures = []
+
+        def submit_all() -> None:
+            try:
+                for step, folder in enumerate(folders, start=1):
+                    pusher.submit(folder, revision=f"step-{step}")
+            except Exception as error:  # noqa: BLE001 - reported by the test below
+                failures.append(error)
+
+        # Submitted from a thread of its own, joined with a hang guard: a submit() that waited for its upload
+        # would be held at the gate, and the test fails instead of waiting for a gate nobody opens.
+        submitting = threading.Thread(target=submit_all, daemon=True)
+        submitting.start()
+        submitting.join(timeout=SUBMIT_GUARD_SECONDS)
+        try:
+            assert not submitting.is_alive(), "submit() waited for the upload instead of returning"
+            assert failures == []
+            # All three were handed over while the first upload is held at the gate: nothing has landed yet.
+            assert all(not stored.commits.get(f"step-{step}") for stored in hub.repos.values() for step in (1, 2, 3))
+        finally:
+            hub.gate.set()  # also frees a submit() held at the gate, so a failure above ends the test
         pusher.finish()
         stored = hub.repos["lab/tiny"]
         assert hub.most_in_flight == 1
-        assert hub.commits_started() == 3
+        assert commit_order(hub) == ["step-1", "step-2", "step-3"]
         for step in (1, 2, 3):
             assert stored.branches[f"step-{step}"]["model.safetensors"] == bytes([step]) * 64
         assert not any(folder.exists() for folder in folders)  # pushed copies are removed
@@ -96,20 +119,23 @@ def test_training_finishes_while_checkpoint_uploads_wait_and_the_final_push_foll
                    "--checkpoint-every", "1", "--push-checkpoints"]
         recipe = subprocess.Popen(command, env={**env, "HF_ENDPOINT": hub.endpoint}, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)
-        # The summary is written once the last step is done; the first checkpoint's upload is still held.
-        deadline = time.monotonic() + 280
-        while not (tmp_path / "summary.json").exists() and recipe.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert (tmp_path / "summary.json").exists(), "training waited for a checkpoint upload"
-        assert hub.commits_started() == 1 and recipe.poll() is None
-        hub.gate.set()
-        stdout, stderr = recipe.communicate(timeout=280)
+        try:
+            # The summary is written once the last step is done; the first checkpoint's upload is still held.
+            deadline = time.monotonic() + RUN_GUARD_SECONDS
+            while not (tmp_path / "summary.json").exists() and recipe.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert (tmp_path / "summary.json").exists(), "training waited for a checkpoint upload"
+            assert hub.commits_started() == 1 and recipe.poll() is None
+        finally:
+            hub.gate.set()  # a failure above must not leave the recipe waiting at the gate
+        try:
+            stdout, stderr = recipe.communicate(timeout=RUN_GUARD_SECONDS)
+        finally:
+            recipe.kill()  # only if the guard ran out; a finished process ignores it
         assert recipe.returncode == 0, stderr[-3000:]
         stored = hub.repos["lab/crammed-tiny"]
     assert hub.most_in_flight == 1
-    assert {"step-00000001", "step-00000002", "step-00000003"} <= stored.branches.keys()
-    # The final model went last: main's commit came after every checkpoint's.
-    commits = [request.path.rsplit("/", 1)[1] for request in hub.requests if "/commit/" in request.path]
-    assert commits[-1] == "main" and commits.count("main") == 1
+    # One at a time in the order the steps saved them, and the final model last.
+    assert commit_order(hub) == ["step-00000001", "step-00000002", "step-00000003", "main"]
     assert "model.safetensors" in stored.branches["main"]
     assert not (tmp_path / "hub-uploads").exists() or not any((tmp_path / "hub-uploads").iterdir())

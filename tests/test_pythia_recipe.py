@@ -5,6 +5,7 @@ its losses at the same global batch. Bad input is refused before any step."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import safetensors.torch
 import torch
 from hub_standin import HubStandIn
 from recipe_import import load_recipe
@@ -160,6 +162,32 @@ def test_zero1_on_two_processes_matches_one_process_and_pushes_pythia_revisions(
                            ("lm_head", small), ("attention.dense", wang), ("dense_4h_to_h", wang)]:
         values = torch.cat([tensor.float().flatten() for name, tensor in weights.items() if weight_type(name) == kind])
         assert values.std().item() == pytest.approx(expected, rel=0.03), kind
+
+
+@pytest.mark.slow
+def test_each_pushed_pythia_revision_holds_the_weights_of_its_step(zero1_pushed):
+    output_dir, hub = zero1_pushed
+    stored = hub.repos["lab/pythia-tiny"]
+    pushed = {revision: safetensors.torch.load(stored.branches[revision]["model.safetensors"])
+              for revision in ("step0", "step1", "step2", "step4", "main")}
+    # Steps 2 and 4 are the training states kept on disk: DeepSpeed's copy of the model at that step.
+    for step in (2, 4):
+        model_states = list((output_dir / "checkpoints" / f"step-{step:08d}").rglob("*model_states.pt"))
+        assert len(model_states) == 1, model_states
+        saved = torch.load(model_states[0], map_location="cpu", weights_only=False)["module"]
+        # transformers names GPT-NeoX's output layer lm_head in the module and embed_out in the saved file.
+        saved["embed_out.weight"] = saved.pop("lm_head.weight")
+        assert pushed[f"step{step}"].keys() == saved.keys()
+        for name, tensor in pushed[f"step{step}"].items():
+            torch.testing.assert_close(tensor, saved[name], rtol=0, atol=0, msg=f"step{step} {name}")
+    final = safetensors.torch.load_file(output_dir / "final" / "model.safetensors")
+    assert all(torch.equal(tensor, final[name]) for name, tensor in pushed["main"].items())
+    # Each revision is its own step's model, not one model pushed five times. Step 1 ran at the warm-up's lr of 0,
+    # so its model may equal step 0's; every later step moved the weights.
+    pairs = [pair for pair in itertools.combinations(pushed, 2) if pair != ("step0", "step1")]
+    for first, second in pairs:
+        assert not all(torch.equal(tensor, pushed[second][name]) for name, tensor in pushed[first].items()), (
+            first, second)
 
 
 @pytest.mark.slow

@@ -74,6 +74,9 @@ def export_model(
     state_dict = accelerator.get_state_dict(model)
     if not accelerator.is_main_process:
         return None
+    # Under DDP, Accelerate's state dict of a compiled model keeps torch.compile's wrapper in every name
+    # (`_orig_mod.bert...`), which `from_pretrained` would not recognise, so its weights would not load.
+    state_dict = {key.removeprefix("_orig_mod."): value for key, value in state_dict.items()}
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     return save_checkpoint(unwrapped, tokenizer, options, directory, state_dict=state_dict)
 
