@@ -37,8 +37,8 @@ def glue_rows(train: int = 24, dev: int = 12) -> dict[str, dict[str, list[Row]]]
     rng = random.Random(0)
     rows: dict[str, dict[str, list[Row]]] = {}
     for split, count in (("train", train), ("dev", dev)):
-        def add(folder: str, task_rows: list[Row]) -> None:
-            rows.setdefault(folder, {})[f"{split}.tsv"] = task_rows
+        def add(folder: str, task_rows: list[Row], file_name: str = f"{split}.tsv") -> None:
+            rows.setdefault(folder, {})[file_name] = task_rows
 
         add("CoLA", [(text, None, label) for text, label in sentences(rng, count)])
         add("SST-2", [(text, None, label) for text, label in sentences(rng, count)])
@@ -54,7 +54,8 @@ def glue_rows(train: int = 24, dev: int = 12) -> dict[str, dict[str, list[Row]]]
                     for (text, label), (other, other_label) in pairs(rng, count)])
     for name, count in (("train", train), ("dev_matched", dev), ("dev_mismatched", dev)):
         rows.setdefault("MNLI", {})[f"{name}.tsv"] = [
-            (text, other, 0 if text == other else 1 + int(label != other_label))
+            # Same sentiment: entailment when the closing words match too, else neutral; opposite: contradiction.
+            (text, other, 2 if label != other_label else int(text.split()[-2] != other.split()[-2]))
             for (text, label), (other, other_label) in pairs(rng, count)
         ]
     return rows
