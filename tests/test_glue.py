@@ -294,13 +294,14 @@ def test_a_default_run_fine_tunes_with_the_glue_sane_protocol(crammed_checkpoint
     assert (args.learning_rate, args.adam_beta1, args.adam_beta2, args.adam_epsilon) == (4e-5, 0.9, 0.98, 1e-6)
     assert args.weight_decay == 0 and args.per_device_train_batch_size == 16 and args.num_train_epochs == 5
     assert not args.max_grad_norm  # GLUE_sane.yaml clips nothing
-    assert isinstance(trainer.optimizer, torch.optim.AdamW)
-    for group in trainer.optimizer.param_groups:
+    optimizer = trainer.optimizer.optimizer  # inside Accelerate's wrapper
+    assert isinstance(optimizer, torch.optim.AdamW)
+    for group in optimizer.param_groups:
         assert (group["initial_lr"], group["betas"], group["eps"], group["weight_decay"]) == (
             4e-5, (0.9, 0.98), 1e-6, 0.0)
     # 24 examples at batch 16: 2 steps an epoch, 10 in all; 10 % warm-up is 1 step, then cosine down to 0.
     assert trainer.state.global_step == 10
-    multiplier = trainer.lr_scheduler.lr_lambdas[0]
+    multiplier = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler).lr_lambdas[0]
     assert [multiplier(step) for step in (0, 1, 10)] == [0.0, 1.0, 0.0]
     assert multiplier(5.5) == pytest.approx(0.5)  # half-way through the decay
 
