@@ -8,6 +8,7 @@ its report. That evaluation trains long enough to learn the fixture's SST-2 and 
 from __future__ import annotations
 
 import json
+import math
 import runpy
 import shutil
 import statistics
@@ -304,6 +305,7 @@ def test_a_default_run_fine_tunes_with_the_glue_sane_protocol(crammed_checkpoint
     multiplier = getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler).lr_lambdas[0]
     assert [multiplier(step) for step in (0, 1, 10)] == [0.0, 1.0, 0.0]
     assert multiplier(5.5) == pytest.approx(0.5)  # half-way through the decay
+    assert multiplier(3.25) == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))  # a quarter: cosine, not linear
 
     config = trainer.model.config
     assert (config.hidden_dropout_prob, config.attention_probs_dropout_prob) == (0.1, 0.1)  # saved with 0
