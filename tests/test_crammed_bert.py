@@ -21,12 +21,15 @@ def tiny_config(**overrides) -> CrammedBertConfig:
     )
 
 
-def masked_batch(batch_size: int, vocab_size: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random 128-token blocks with exactly 32 labelled (masked) positions per sequence."""
+def masked_batch(batch_size: int, vocab_size: int = 512, counts: list[int] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random 128-token blocks with `counts[i]` labelled (masked) positions in sequence i (32 each by default)."""
     input_ids = torch.randint(5, vocab_size, (batch_size, 128))
     labels = torch.full_like(input_ids, -100)
-    masked = torch.rand(batch_size, 128).argsort(dim=1)[:, :32]
-    labels.scatter_(1, masked, input_ids.gather(1, masked))
+    order = torch.rand(batch_size, 128).argsort(dim=1)
+    for row, count in enumerate(counts or [32] * batch_size):
+        masked = order[row, :count]
+        labels[row, masked] = input_ids[row, masked]
     return input_ids, labels
 
 
@@ -117,6 +120,24 @@ def test_sequence_classifier_trains_with_padding(num_labels):
     assert output.logits.shape == (4, num_labels)
     output.loss.backward()
     assert model.bert.layers[0].attention.qkv.weight.grad is not None
+
+
+@pytest.mark.parametrize("num_labels", [1, 3])
+def test_padding_does_not_change_the_classifiers_logits(num_labels):
+    # As DataCollatorWithPadding batches GLUE rows: each padded to the longest one, a multiple of 8.
+    torch.manual_seed(0)
+    model = CrammedBertForSequenceClassification(tiny_config(num_labels=num_labels)).eval()
+    lengths = [5, 11, 16]
+    rows = [torch.randint(5, 512, (length,)) for length in lengths]
+    input_ids = torch.zeros(len(rows), 24, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for index, row in enumerate(rows):
+        input_ids[index, : len(row)] = row
+        attention_mask[index, : len(row)] = 1
+    with torch.no_grad():
+        alone = torch.cat([model(row[None]).logits for row in rows])
+        batched = model(input_ids, attention_mask=attention_mask).logits
+    torch.testing.assert_close(batched, alone, rtol=1e-4, atol=1e-5)
 
 
 def test_padding_does_not_change_the_unpadded_positions():
@@ -251,7 +272,9 @@ def test_trainer_with_gradient_accumulation_takes_the_same_step(tmp_path, head):
         rows = {"input_ids": torch.randint(5, 512, (8, 16)).tolist(), "labels": [0, 1, 1, 0, 1, 0, 0, 1]}
         build = lambda: CrammedBertForSequenceClassification(tiny_config(num_labels=2))  # noqa: E731
     else:
-        input_ids, labels = masked_batch(8)
+        # Micro-batches of 2 with 4, 8, 40 and 80 masked positions: the step equals the whole batch's only when
+        # each micro-batch's summed loss is divided by the whole batch's count (Trainer's num_items_in_batch).
+        input_ids, labels = masked_batch(8, counts=[1, 3, 2, 6, 16, 24, 32, 48])
         rows = {"input_ids": input_ids.tolist(), "labels": labels.tolist()}
         build = lambda: CrammedBertForMaskedLM(tiny_config())  # noqa: E731
     initial = build().state_dict()

@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 import shutil
 
+import datasets
 import numpy as np
 import pytest
-from glue_fixtures import write_glue_dir
+from glue_fixtures import HUB_COLUMNS, glue_rows, hub_split, write_glue_dir, write_hub_copy
 
 from cram.errors import UserError
-from cram.eval.glue_data import TASKS, load_task, parse_tasks
+from cram.eval.glue_data import TASKS, load_task, parse_tasks, read_tsv
 from cram.eval.glue_report import PUBLISHED, eval_results, headline, markdown_report, summarize, task_metrics
 
 
@@ -31,6 +32,62 @@ def test_every_task_reads_its_real_file_format(glue_dir):
         is_pair = task.tsv_columns[1] is not None
         assert all((text_b is not None) == is_pair for text_b in data.train["text_b"])
     assert list(load_task(TASKS["mnli"], str(glue_dir)).dev) == ["mnli_matched", "mnli_mismatched"]
+
+
+def rows_of(dataset) -> list[tuple]:
+    return list(zip(dataset["text_a"], dataset["text_b"], dataset["label"], strict=True))
+
+
+def test_every_task_reads_the_right_columns_and_labels(glue_dir):
+    # The fixture's skipped columns hold other values (MRPC's IDs, MNLI's parses, annotator votes that disagree
+    # with gold_label), and the truth has the Hub's class ids: a wrong column or label order changes the rows.
+    truth = glue_rows(train=24, dev=12)
+    for task in TASKS.values():
+        data = load_task(task, str(glue_dir))
+        assert rows_of(data.train) == truth[task.folder]["train.tsv"], task.name
+        for key, (file_name, _) in task.dev_sets.items():
+            assert rows_of(data.dev[key]) == truth[task.folder][file_name], key
+    mnli = load_task(TASKS["mnli"], str(glue_dir)).dev["mnli_matched"]
+    assert set(mnli["label"]) == {0, 1, 2}  # every class occurs, so the order of all three is pinned
+    first = (glue_dir / "MNLI" / "dev_matched.tsv").read_text().splitlines()[1].split("\t")
+    assert first[10] != first[-1]  # label1 is not gold_label in the fixture
+
+
+def test_the_hub_path_maps_each_tasks_columns(tmp_path, monkeypatch):
+    # A local folder named like the Hub dataset is what `datasets.load_dataset("nyu-mll/glue", task)` reads first.
+    write_hub_copy(tmp_path, train=24, dev=12)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    truth = glue_rows(train=24, dev=12)
+    for name, (folder, _) in HUB_COLUMNS.items():
+        data = load_task(TASKS[name], None)
+        assert rows_of(data.train) == truth[folder]["train.tsv"], name
+        for key, (file_name, split) in TASKS[name].dev_sets.items():
+            assert split == hub_split(name, file_name)
+            assert rows_of(data.dev[key]) == truth[folder][file_name], key
+
+
+def qqp_file(path, good_rows: int, malformed_rows: int):
+    header = "id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate\n"
+    good = [f"{i}\t{2 * i}\t{2 * i + 1}\twhy {i} ?\thow {i} ?\t{i % 2}\n" for i in range(good_rows)]
+    broken = [f"{i}\t{i}\twhy a question cut short\n" for i in range(malformed_rows)]
+    # The broken rows sit after the good ones' first line, as QQP's own do, inside the file.
+    path.write_text(header + good[0] + "".join(broken) + "".join(good[1:]))
+    return path
+
+
+def test_malformed_rows_are_skipped_up_to_ten_or_a_thousandth(tmp_path, capsys):
+    qqp = TASKS["qqp"]
+    # Ten of 100 rows: at most 10, so skipped with a note.
+    data = read_tsv(qqp, qqp_file(tmp_path / "ten.tsv", 90, 10))
+    assert len(data) == 90 and data[1]["text_a"] == "why 1 ?"
+    assert "skipped 10 malformed rows" in capsys.readouterr().err
+    with pytest.raises(UserError, match=r"has 11 rows without the 6 tab-separated fields .*\(line 3 first\)"):
+        read_tsv(qqp, qqp_file(tmp_path / "eleven.tsv", 89, 11))
+    # 20 of 20,000 rows is 0.1 %: skipped; 21 is more than 0.1 %: refused.
+    assert len(read_tsv(qqp, qqp_file(tmp_path / "big.tsv", 19_980, 20))) == 19_980
+    with pytest.raises(UserError, match="has 21 rows"):
+        read_tsv(qqp, qqp_file(tmp_path / "too-many.tsv", 19_979, 21))
 
 
 def test_headerless_cola_keeps_its_first_row_and_quotes_stay_in_the_text(glue_dir):
