@@ -3,6 +3,7 @@ out-of-memory, and a cache that forgets failures when the libraries change or wh
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import signal
@@ -174,3 +175,18 @@ def test_one_rank_out_of_memory_means_that_size_does_not_fit_and_the_sizes_that_
     leftovers = [process for process in psutil.process_iter(["cmdline"])
                  if str(tmp_path / "request.json") in " ".join(process.info["cmdline"] or [])]
     assert not leftovers
+
+
+def test_the_cache_key_holds_without_deepspeed_installed(monkeypatch):
+    """The base install has no DeepSpeed: the planner still keys its cache (the floors job found this crash)."""
+    real_version = importlib.metadata.version
+
+    def version(package: str) -> str:
+        if package == "deepspeed":
+            raise importlib.metadata.PackageNotFoundError(package)
+        return real_version(package)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert sweep_module.library_versions()["deepspeed"] == "absent"
+    setting = Setting("crammed-bert-tiny", 128, 16, 2, True, "CPU", None, 1, 2)
+    assert setting.key().startswith("crammed-bert-tiny-")

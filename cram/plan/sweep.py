@@ -51,8 +51,15 @@ class Setting:
 
 
 def library_versions() -> dict[str, str]:
-    return {package: importlib.metadata.version(package)
-            for package in ("torch", "transformers", "accelerate", "deepspeed")}
+    """The installed versions, "absent" for DeepSpeed where the base install runs without it."""
+    return {package: installed_version(package) for package in ("torch", "transformers", "accelerate", "deepspeed")}
+
+
+def installed_version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
 
 
 def free_port() -> int:
