@@ -167,8 +167,8 @@ def main() -> None:
     accelerator = run.accelerator
     largest_target = training.target_batch_size or BATCH_DEFAULTS[training.preset][0]
     sequences_per_micro_batch = training.micro_batch_size * accelerator.num_processes
-    full = full_accumulation(training.target_batch_size, training.micro_batch_size, accelerator.num_processes) \
-        if training.target_batch_size else max(1, largest_target // sequences_per_micro_batch)
+    # The largest target must be whole micro-batches on every process; a budget-following ramp aims at most there.
+    full = full_accumulation(largest_target, training.micro_batch_size, accelerator.num_processes)
     configure_deepspeed(accelerator, training.micro_batch_size, full * sequences_per_micro_batch,
                         training.max_grad_norm)
     plugin = accelerator.state.deepspeed_plugin

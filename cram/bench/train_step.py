@@ -81,12 +81,15 @@ def original_crammed_bert(checkout: Path, layers: int, hidden: int, heads: int, 
                           ) -> torch.nn.Module:
     """The original code's `ScriptableLMForPreTraining` from a cramming checkout, configured by its
     `crammed-bert.yaml` with this bench's shape and dropout 0 (the yaml's 0.1 is for fine-tuning parity)."""
-    from omegaconf import OmegaConf
-
     architectures = checkout / "cramming" / "architectures"
     if not (architectures / "crammed_bert.py").is_file():
         raise SystemExit(f"--original {checkout}: no cramming/architectures/crammed_bert.py there; pass a checkout "
                          "of github.com/JonasGeiping/cramming.")
+    try:
+        from omegaconf import OmegaConf  # the original's config library; only this comparison needs it
+    except ModuleNotFoundError:
+        raise SystemExit("--original needs omegaconf and einops, which the original code imports: "
+                         "pip install omegaconf einops.") from None
     # A package object for the architecture files alone: the checkout's own __init__ imports its training code.
     package = types.ModuleType("cramming_original")
     package.__path__ = [str(architectures)]
