@@ -4,6 +4,7 @@ out-of-memory, and a cache that forgets failures when the libraries change or wh
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import os
 import signal
@@ -190,3 +191,16 @@ def test_the_cache_key_holds_without_deepspeed_installed(monkeypatch):
     assert sweep_module.library_versions()["deepspeed"] == "absent"
     setting = Setting("crammed-bert-tiny", 128, 16, 2, True, "CPU", None, 1, 2)
     assert setting.key().startswith("crammed-bert-tiny-")
+
+
+def test_without_deepspeed_the_zero_candidates_are_ruled_out_with_the_extra_to_install(monkeypatch, measured):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "deepspeed" else real_find_spec(name, *args))
+    config = model_config("crammed-bert-tiny", 128)
+    shape = Shape.of(config, 128, 2, on_cpu=True, activation_bytes=4)
+    setting = Setting("crammed-bert-tiny", 128, 16, 2, True, "CPU", None, 1, 2)
+    rows = sweep([Candidate("zero2", offload=True), Candidate("zero1")], setting, shape, 2**34, Path("unused"),
+                 "CrammedBertLayer", timeout=60, say=lambda _: None)
+    assert [row["source"] for row in rows] == ["rules", "rules"] and measured == []
+    assert all("cram[deepspeed]" in row["reason"] for row in rows)

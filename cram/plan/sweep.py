@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import socket
@@ -169,6 +170,9 @@ def sweep(candidates: list[Candidate], setting: Setting, shape: Shape, limit_byt
         if candidate.is_fsdp and setting.use_cpu:
             row.update(status="infeasible", source="rules", reason="FSDP needs GPUs: on the CPU Accelerate falls "
                        "back to MULTI_CPU data parallel, with no sharding to measure")
+        elif candidate.is_deepspeed and importlib.util.find_spec("deepspeed") is None:
+            row.update(status="infeasible", source="rules", reason="DeepSpeed is not installed: pip install "
+                       "\"cram[deepspeed]\" to measure the ZeRO candidates")
         elif candidate.optimizer == "adamw-8bit" and candidate.offload and candidate.is_deepspeed:
             row.update(status="infeasible", source="rules", reason="DeepSpeed replaces an 8-bit optimizer with its "
                        "32-bit CPU Adam when it offloads the optimizer (see check_optimizer_for_deepspeed)")
