@@ -49,6 +49,9 @@ def test_a_timed_out_launch_leaves_no_process_behind(tmp_path):
 
 
 def test_ctrl_c_during_a_launch_ends_its_whole_process_tree(tmp_path):
+    # Python's own Ctrl-C handler, as in a fresh `recipes/plan.py`: an earlier in-process test of the session may
+    # have left another (the full suite once ran this test with SIGINT caught, and no KeyboardInterrupt came).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     pid_file = tmp_path / "worker.pid"
     # Ctrl-C arrives once the worker runs: SIGINT to this process, as a terminal sends it.
     interrupter = threading.Thread(target=lambda: (wait_for(pid_file.exists), os.kill(os.getpid(), signal.SIGINT)))
@@ -56,6 +59,7 @@ def test_ctrl_c_during_a_launch_ends_its_whole_process_tree(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         run_launch([sys.executable, "-c", TREE, str(pid_file)], tmp_path / "tree.log", timeout=120)
     interrupter.join()
+    signal.signal(signal.SIGINT, previous)
     worker = int(pid_file.read_text())
     assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
 
