@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -49,10 +50,13 @@ def test_a_recipe_main_runs_twice_in_one_process_at_auto_precision(
     common = ["--size", "pythia-14m", "--vocab-size", "512", "--max-steps", "1", "--seq-len", "16",
               "--global-batch-size", "2", "--micro-batch-size", "2", "--checkpoint-every-minutes", "0",
               "--data", prefix, "--tokenizer", tokenizer]
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     for name, precision in (("first", "fp32"), ("second", "auto")):
         monkeypatch.setattr(sys, "argv", ["pythia.py", *map(str, common), "--precision", precision,
                                           "--output-dir", str(tmp_path / name)])
         recipe.main()
+        # A finished run gives Ctrl-C and SIGTERM back: in a notebook, Ctrl-C interrupts the next cell again.
+        assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
     resolved = json.loads((tmp_path / "second" / "final" / "cram_options.json").read_text())
     assert resolved["resolved"]["mixed_precision"] == "bf16"
 

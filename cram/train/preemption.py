@@ -11,15 +11,22 @@ class Preemption:
 
     def __init__(self) -> None:
         self.signal: int | None = None
+        self._previous: dict[int, object] = {}
 
     @property
     def requested(self) -> bool:
         return self.signal is not None
 
     def install(self) -> Preemption:
-        signal.signal(signal.SIGTERM, self._handle)
-        signal.signal(signal.SIGINT, self._handle)
+        self._previous = {number: signal.signal(number, self._handle) for number in (signal.SIGTERM, signal.SIGINT)}
         return self
+
+    def uninstall(self) -> None:
+        """Give SIGTERM and SIGINT back to the handlers they had, once training is over: in a notebook, Ctrl-C
+        interrupts the next cell again."""
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGINT and self.signal == signal.SIGINT:

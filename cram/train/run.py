@@ -297,6 +297,8 @@ class RecipeRun:
         if checkpoint is not None and self.options.push_to_hub:  # a failed push loses nothing: all is written
             url = push_checkpoint(checkpoint, self.options.push_to_hub, private=not self.options.hub_public)
             print(f"pushed to the Hub: {url}")
+        if self.preemption is not None:  # after the export and the push, which a late signal must not cut short
+            self.preemption.uninstall()
 
 
 class ScheduledCheckpointer(Checkpointer):
