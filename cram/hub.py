@@ -23,6 +23,7 @@ from pathlib import Path
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData, constants
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
 from huggingface_hub.utils import validate_repo_id
+from tqdm import tqdm
 
 from cram import __version__
 from cram.errors import UserError, run_cli
@@ -303,7 +304,8 @@ class BackgroundPusher:
         try:
             push_checkpoint(folder, self.repo_id, private=self.private, revision=revision)
         except UserError as err:
-            print(f"warning: {err}", file=sys.stderr)
+            # On a line of its own, whatever the progress bar in the training thread has half-drawn.
+            tqdm.write(f"warning: {err}", file=sys.stderr)
             return
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 from hub_standin import HubStandIn
+from tqdm import tqdm
 
+from cram.errors import UserError
 from cram.hub import BackgroundPusher
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,6 +109,22 @@ def test_a_failed_background_push_warns_and_keeps_its_folder(tmp_path, monkeypat
     warning = capsys.readouterr().err
     assert warning.startswith("warning: the Hugging Face Hub at") and "storage is full" in warning
     assert folder.is_dir()
+
+
+def test_a_failed_push_warns_on_a_line_of_its_own_while_the_progress_bar_is_drawn(tmp_path, monkeypatch, capsys):
+    # The training thread's bar ends without a newline; a warning printed after it once joined its line.
+    def unreachable(folder, repo_id, **kwargs):
+        raise UserError(f"could not reach the Hugging Face Hub to push {repo_id}")
+
+    monkeypatch.setattr("cram.hub.push_checkpoint", unreachable)
+    bar = tqdm(total=100, bar_format="{percentage:3.0f}% |{bar:20}| {desc}", file=sys.stderr)
+    bar.set_description_str("step 1", refresh=True)
+    pusher = BackgroundPusher("lab/tiny")
+    pusher.submit(checkpoint_folder(tmp_path / "step-1", 1), revision="step-1")
+    pusher.finish()
+    bar.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert "warning: could not reach the Hugging Face Hub to push lab/tiny" in lines
 
 
 @pytest.mark.slow
