@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -82,3 +84,28 @@ def test_sigterm_asks_for_a_stop_however_often_it_comes(restored_signal_handlers
     signal.raise_signal(signal.SIGTERM)
     signal.raise_signal(signal.SIGTERM)  # a scheduler may repeat it: the state must still be saved
     assert preemption.requested and preemption.exit_status == 143
+
+
+LEAVE = """
+import atexit, signal, sys
+from cram.train.preemption import Preemption
+atexit.register(lambda: print("teardown ran"))
+preemption = Preemption().install()
+signal.raise_signal(getattr(signal, sys.argv[1]))
+print("state saved", flush=False)
+try:
+    preemption.leave()
+finally:
+    print("Ctrl-C handler given back:", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+"""
+
+
+@pytest.mark.parametrize(("signal_name", "status", "teardown"), [("SIGTERM", 143, False), ("SIGINT", 130, True)])
+def test_a_stopped_run_leaves_at_once_after_sigterm_and_through_sys_exit_after_ctrl_c(signal_name, status, teardown):
+    # SIGTERM has a SIGKILL behind it: no interpreter teardown, but what was printed is flushed. Ctrl-C (a notebook)
+    # gets SystemExit, and its SIGINT handler back.
+    completed = subprocess.run([sys.executable, "-c", LEAVE, signal_name], capture_output=True, text=True, timeout=120)
+    assert completed.returncode == status
+    assert "state saved" in completed.stdout
+    assert ("teardown ran" in completed.stdout) is teardown
+    assert ("Ctrl-C handler given back: True" in completed.stdout) is teardown

@@ -127,6 +127,28 @@ def test_a_failed_push_warns_on_a_line_of_its_own_while_the_progress_bar_is_draw
     assert "warning: could not reach the Hugging Face Hub to push lab/tiny" in lines
 
 
+def test_a_stopped_run_abandons_the_uploads_still_waiting_and_says_how_to_push_each(tmp_path, monkeypatch, capsys):
+    with SlowHub(token=TOKEN) as hub:
+        monkeypatch.setenv("HF_TOKEN", TOKEN)
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
+        pusher = BackgroundPusher("lab/tiny")
+        folders = [checkpoint_folder(tmp_path / f"step-{step}", step) for step in (1, 2)]
+        for step, folder in enumerate(folders, start=1):
+            pusher.submit(folder, revision=f"step-{step}")
+        deadline = time.monotonic() + SUBMIT_GUARD_SECONDS
+        while hub.commits_started() == 0 and time.monotonic() < deadline:  # the first one is under way
+            time.sleep(0.01)
+        pusher.abandon()
+        hub.gate.set()
+    warnings = capsys.readouterr().err.splitlines()
+    assert len(warnings) == 2
+    for step, (warning, folder) in enumerate(zip(warnings, folders, strict=True), start=1):
+        assert warning.startswith(f"warning: the push of step-{step} to lab/tiny did not finish before the stop")
+        assert f"python -m cram.hub {folder} lab/tiny --revision step-{step}" in warning
+    assert folders[1].is_dir()  # never started: kept for the later push
+    assert commit_order(hub) == ["step-1"]
+
+
 @pytest.mark.slow
 def test_training_finishes_while_checkpoint_uploads_wait_and_the_final_push_follows_them(tmp_path, recipe_env):
     env = {**recipe_env, "HF_TOKEN": TOKEN}

@@ -196,7 +196,8 @@ def test_zero3_stopped_by_sigterm_resumes_to_the_uninterrupted_losses(
 ):
     output_dir, stopped = zero3_stopped
     assert stopped.returncode != 0  # the launcher reports the signal it was sent
-    assert "stopped by signal 15" in stopped.stderr and "--resume auto" in stopped.stderr, stopped.stderr[-3000:]
+    assert stopped.stderr.count("stopped by signal 15") == 1, stopped.stderr[-3000:]  # said once, by rank 0
+    assert "--resume auto" in stopped.stderr
     assert not (output_dir / "final").exists()
     completed = subprocess.run(launch_command("cpu-zero3", megatron_data, output_dir, "--resume", "auto"),
                                cwd=REPO, env=recipe_env, capture_output=True, text=True, timeout=600)

@@ -14,7 +14,6 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 from accelerate import Accelerator
@@ -135,18 +134,19 @@ class Checkpointer:
         self._last_saved_at = time.monotonic()
         return target
 
-    def stop(self, state: TrainState, preemption: Preemption) -> NoReturn:
-        """After a stop signal: save the state (unless this step's is saved), say how to go on, exit 128 + signal."""
+    def stop(self, state: TrainState, preemption: Preemption) -> None:
+        """After a stop signal: save the state (unless this step's is saved), end every process together and say
+        how to go on. The caller then leaves with `preemption.leave()`."""
         if self.last_saved_step != state.optimizer_steps:
             self.save(state)
+        main_process = self.accelerator.is_main_process  # shut_down forgets which process this is
         shut_down(self.accelerator)
-        if self.accelerator.is_main_process:
+        if main_process:
             print(
                 f"\nstopped by signal {preemption.signal} at step {state.optimizer_steps}: the training state is in "
                 f"{self.directory}; continue with the same command and --resume auto",
                 file=sys.stderr,
             )
-        sys.exit(preemption.exit_status)
 
     def _prune(self) -> None:
         for stale in self.directory.glob("step-*.tmp"):

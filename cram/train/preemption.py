@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 from types import FrameType
+from typing import NoReturn
 
 
 class Preemption:
@@ -37,3 +40,19 @@ class Preemption:
     def exit_status(self) -> int:
         """128 + the signal number, as a shell reports a process the signal killed, so job scripts can requeue."""
         return 128 + (self.signal or 0)
+
+    def leave(self) -> NoReturn:
+        """Exit with `exit_status`, once the stopped run has saved and said everything.
+
+        After SIGTERM, at once, without the interpreter's teardown: SIGTERM is a scheduler's notice with SIGKILL
+        close behind it (SLURM's KillWait, 30 s by default; torchrun's agent forwards it to the ranks and kills them
+        30 s later), and finalisation alone, collecting torch's and DeepSpeed's objects, took 4-5 s of a ZeRO-3
+        rank's exit on a quiet 2-core machine (py-spy: `gc_collect_main`); on CI's loaded one such a stop ran past
+        the 30 s. After Ctrl-C, a plain `sys.exit`: a notebook catches it and its kernel lives on.
+        """
+        if self.signal == signal.SIGTERM:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(self.exit_status)
+        self.uninstall()
+        sys.exit(self.exit_status)

@@ -285,6 +285,9 @@ class RecipeRun:
         curves and the card, end every process together, then push."""
         if not finished:
             checkpointer.stop(state, self.preemption)
+            if self.pusher is not None:
+                self.pusher.abandon()
+            self.preemption.leave()
         checkpoint = export_model(self.accelerator, model, tokenizer, self.resolved, self.output_dir / "final")
         if checkpoint is not None:  # rank 0
             write_summary(state, checkpoint, self.output_dir, blocks, flops_per_token, self.parameters,
