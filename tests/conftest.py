@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from launching import accelerate_launch
 
 from cram.data import embedded_corpus_path
 from cram.train import runtime
@@ -149,7 +150,7 @@ def two_process_run(tmp_path_factory, recipe_env, distributed_cache) -> Callable
                        CRAM_TEST_GROUP_TIMEOUT_DIR=str(result.group_timeouts))
             script = REPO / "tests" / "slow_preparation.py"
             options += ["--collective-timeout-minutes", str(COLLECTIVE_TIMEOUT_MINUTES)]
-        command = [ACCELERATE, "launch", "-q", "--config_file", REPO / "accel_configs" / f"{launch.config}.yaml",
+        command = [*accelerate_launch(REPO / "accel_configs" / f"{launch.config}.yaml"),
                    script, *DISTRIBUTED_RUN, "--micro-batch-size", "8", "--output-dir", result.output_dir, *options]
         started = time.monotonic()
         completed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_GUARD)

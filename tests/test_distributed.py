@@ -23,6 +23,7 @@ import pytest
 import torch
 from accelerate.utils import DeepSpeedPlugin
 from conftest import DISTRIBUTED_RUN, HANG_GUARD, TWO_PROCESS_LAUNCHES
+from launching import accelerate_launch
 from safetensors.torch import load_file
 from transformers import AutoModelForMaskedLM
 
@@ -57,7 +58,7 @@ def launch(
 ) -> subprocess.CompletedProcess:
     """`accelerate launch` the recipe on 2 processes; `options` go to the launcher (or the recipe: `after_recipe`)."""
     launcher_options, recipe_options = ((), options) if after_recipe else (options, ())
-    command = [ACCELERATE, "launch", "-q", "--config_file", config, *launcher_options, RECIPE, *RUN,
+    command = [*accelerate_launch(config), *launcher_options, RECIPE, *RUN,
                "--micro-batch-size", "8", "--output-dir", output_dir, *recipe_options]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_GUARD)
 
@@ -202,7 +203,7 @@ def test_sigterm_to_one_zero3_rank_stops_all_and_the_run_resumes_to_the_one_proc
     # SIGTERM to rank 1 alone: rank 0 must learn of it and stop on the same step, or rank 1 would leave it
     # waiting in a collective.
     config = REPO / "accel_configs" / "cpu-zero3.yaml"
-    command = [ACCELERATE, "launch", "-q", "--config_file", config, RECIPE, *RUN, "--micro-batch-size", "8",
+    command = [*accelerate_launch(config), RECIPE, *RUN, "--micro-batch-size", "8",
                "--output-dir", tmp_path, "--checkpoint-every", "1"]
     launcher = subprocess.Popen(command, cwd=REPO, env=distributed_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, start_new_session=True)
@@ -230,7 +231,7 @@ def test_sigterm_to_one_zero3_rank_stops_all_and_the_run_resumes_to_the_one_proc
 def test_zero3_at_the_default_precision_trains_and_saves_a_plain_model(tmp_path, recipe_env):
     # --precision auto: bf16 on CPUs with bf16 units, which DeepSpeed applies to the parameters themselves.
     default_precision = [arg for arg in RUN if arg not in ("--precision", "fp32")]
-    command = [ACCELERATE, "launch", "-q", "--config_file", REPO / "accel_configs" / "cpu-zero3.yaml", RECIPE,
+    command = [*accelerate_launch(REPO / "accel_configs" / "cpu-zero3.yaml"), RECIPE,
                *default_precision, "--micro-batch-size", "8", "--output-dir", tmp_path]
     completed = subprocess.run(command, cwd=REPO, env=recipe_env, capture_output=True, text=True, timeout=HANG_GUARD)
     assert completed.returncode == 0, completed.stderr[-3000:]

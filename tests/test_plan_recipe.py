@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from launching import accelerate_launch
 
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE = Path(sys.executable).with_name("accelerate")
@@ -23,7 +24,7 @@ SWEEP = ["--model", "crammed-bert-tiny", "--memory-limit", "2GiB", "--global-bat
 
 
 def launch_plan(output_dir: Path, env: dict, *extra: str) -> subprocess.CompletedProcess:
-    command = [ACCELERATE, "launch", "-q", "--config_file", REPO / "accel_configs" / "cpu-ddp.yaml",
+    command = [*accelerate_launch(REPO / "accel_configs" / "cpu-ddp.yaml"),
                REPO / "recipes" / "plan.py", *SWEEP, "--output-dir", output_dir, *extra]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
 

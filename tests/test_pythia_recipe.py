@@ -19,6 +19,7 @@ import pytest
 import safetensors.torch
 import torch
 from hub_standin import HubStandIn
+from launching import accelerate_launch
 from recipe_import import load_recipe
 from safetensors.torch import load as load_safetensors
 from transformers import AutoModelForCausalLM
@@ -57,7 +58,7 @@ def recipe_arguments(data: tuple[Path, Path], output_dir: Path, micro_batch_size
 
 
 def launch_command(config: str, data: tuple[Path, Path], output_dir: Path, *extra) -> list:
-    return [ACCELERATE, "launch", "-q", "--config_file", REPO / "accel_configs" / f"{config}.yaml",
+    return [*accelerate_launch(REPO / "accel_configs" / f"{config}.yaml"),
             *recipe_arguments(data, output_dir, 1, *extra)]
 
 

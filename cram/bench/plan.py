@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from cram.plan.sweep import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH_CONFIGS = {1: "cpu.yaml", 2: "cpu-ddp.yaml"}
 CANDIDATE = {1: "ddp", 2: "zero1"}
@@ -31,7 +33,8 @@ def run_plan(model: str, processes: int, args: argparse.Namespace, output_dir: P
     accelerate = Path(sys.executable).with_name("accelerate")
     launch_config = REPO / "accel_configs" / LAUNCH_CONFIGS[processes]
     command = [str(accelerate), "launch", "-q", "--config_file", str(launch_config),
-               str(REPO / "recipes" / "plan.py"), "--model", model, "--seq-len", str(args.seq_len),
+               "--main_process_port", str(free_port()), str(REPO / "recipes" / "plan.py"), "--model", model,
+               "--seq-len", str(args.seq_len),
                "--global-batch-size", str(args.global_batch_size), "--memory-limit", args.memory_limit,
                "--candidates", CANDIDATE[processes], "--warmup-steps", "2", "--timed-steps", str(args.steps),
                "--verify", "--verify-steps", str(args.steps), "--output-dir", str(output_dir)]
