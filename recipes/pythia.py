@@ -29,7 +29,7 @@ from accelerate.utils import set_seed
 from transformers import HfArgumentParser
 
 from cram.cli import option, parse_strictly
-from cram.data.causal import CausalData, causal_data_ready, causal_lm_batch, load_causal_data
+from cram.data.causal import causal_data_ready, causal_lm_batch, load_causal_data
 from cram.errors import UserError, run_cli
 from cram.hub import ModelCardFacts
 from cram.models.pythia import (
@@ -169,7 +169,6 @@ def main() -> None:
                             ready=lambda: causal_data_ready(*data_arguments))
     if run.is_main_process:
         print(f"data: {data.description}")
-    check_vocabulary(data, config.vocab_size)
     run.check_resume({  # what a resumed run must share with the run that wrote the checkpoint
         "training": dataclasses.asdict(training),
         "data": {"set": data.name, "sequences": len(data.sequences)},
@@ -226,14 +225,6 @@ def main() -> None:
 LOAD_HINT = """    from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained({checkpoint!r})
     tokenizer = AutoTokenizer.from_pretrained({checkpoint!r})"""
-
-
-def check_vocabulary(data: CausalData, embedding_rows: int) -> None:
-    if len(data.tokenizer) > embedding_rows:
-        raise UserError(
-            f"the tokenizer has {len(data.tokenizer):,} tokens but the model's embedding has {embedding_rows:,} rows: "
-            "use a tokenizer of at most that many tokens (GPT-NeoX-20B's has 50,277)."
-        )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from cram.data.megatron import (
     GPTNeoXSamples,
     MegatronSequences,
     MegatronTokens,
+    gpt_neox_epochs,
     gpt_neox_index_paths,
     gpt_neox_num_samples,
     megatron_sequences,
@@ -134,3 +135,20 @@ def test_a_file_neither_of_whole_sequences_nor_of_documents_is_refused(tmp_path)
     message = str(raised.value)
     assert "neither a file of 9-token training sequences nor one entry per document" in message
     assert message.count(". ") == 0
+
+
+def test_the_epoch_count_is_gpt_neox_s_count_up_loop_in_closed_form():
+    def counted(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:  # gpt2_dataset.py: _num_epochs
+        epochs, tokens = 0, 0
+        while True:
+            epochs += 1
+            tokens += tokens_per_epoch
+            if ((tokens - 1) // seq_length) >= num_samples:
+                return epochs
+
+    random = np.random.default_rng(0)
+    cases = [(10, 9, 1), (10, 10, 1), (11, 10, 1), (100, 4, 25), (100, 4, 24), (2048, 2048, 3)]
+    cases += [tuple(int(value) for value in random.integers(1, 500, size=3)) for _ in range(300)]
+    for tokens_per_epoch, seq_length, num_samples in cases:
+        assert gpt_neox_epochs(tokens_per_epoch, seq_length, num_samples) == counted(
+            tokens_per_epoch, seq_length, num_samples), (tokens_per_epoch, seq_length, num_samples)

@@ -60,6 +60,14 @@ def load_tokenizer(location: str) -> PreTrainedTokenizerBase:
         ) from None
 
 
+def check_vocabulary(tokenizer: PreTrainedTokenizerBase, embedding_rows: int) -> None:
+    if len(tokenizer) > embedding_rows:
+        raise UserError(
+            f"the tokenizer has {len(tokenizer):,} tokens but the model's embedding has {embedding_rows:,} rows: "
+            "use a tokenizer of at most that many tokens (GPT-NeoX-20B's has 50,277)."
+        )
+
+
 def _options(source: str, seq_len: int, vocab_size: int, tokenizer: str | None) -> DataOptions:
     return DataOptions(
         sources=[source], vocab_size=vocab_size, seq_len=seq_len + 1, tokenizer_model="bpe", lowercase=False,
@@ -96,13 +104,15 @@ def load_causal_data(
                 "Megatron token files carry no tokenizer: pass --tokenizer with the one that made them "
                 "(Pythia's data: EleutherAI/gpt-neox-20b or a local copy of it)."
             )
+        token_ids = load_tokenizer(tokenizer)
+        check_vocabulary(token_ids, vocab_size)  # before GPT-NeoX's index, which may take minutes to build
         tokens = MegatronTokens(source)
         sequences = megatron_sequences(tokens, length, sequences_needed)
         order = (f"GPT-NeoX's sample order (index {sequences.index_files[1].name})"
                  if isinstance(sequences, GPTNeoXSamples) else "its entries' order")
         description = (f"{len(sequences):,} sequences of {length} tokens in {order} ({tokens.num_tokens:,} "
                        f"{tokens.dtype} tokens in {tokens.num_sequences:,} index entries) from {tokens.bin_path}")
-        return CausalData(sequences, load_tokenizer(tokenizer), str(tokens.prefix), description)
+        return CausalData(sequences, token_ids, str(tokens.prefix), description)
     if is_prepared(source):
         prepared = load_prepared(source)
     else:
@@ -113,5 +123,6 @@ def load_causal_data(
             f"{prepared.path} holds blocks of {block} tokens, not seq_len + 1 = {length}: pass --seq-len {block - 1}, "
             f"or prepare the set again with --seq_len {length}."
         )
+    check_vocabulary(prepared.tokenizer, vocab_size)
     description = f"{len(prepared.dataset):,} sequences of {length} tokens from {prepared.path}"
     return CausalData(SerialBlocks(prepared.dataset), prepared.tokenizer, prepared.path.name, description)

@@ -226,6 +226,13 @@ def gpt_neox_index_ready(prefix: str | Path, seq_length: int, num_samples: int) 
     return all(path.is_file() for path in gpt_neox_index_paths(split_prefix(prefix), seq_length, num_samples))
 
 
+def gpt_neox_epochs(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
+    """The fewest epochs holding `num_samples` samples: gpt2_dataset.py's `_num_epochs`, which counts up one epoch at
+    a time while (epochs · tokens_per_epoch - 1) // seq_length < num_samples, in closed form (its loop took a minute
+    for a small file read for a whole Pythia run: two million epochs)."""
+    return max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
+
+
 def build_gpt_neox_index(tokens: MegatronTokens, seq_length: int, num_samples: int, seed: int = GPT_NEOX_SEED) -> None:
     """Write GPT-NeoX's doc, sample and shuffle index of `tokens` for `num_samples` samples of seq_length + 1 tokens.
 
@@ -240,9 +247,7 @@ def build_gpt_neox_index(tokens: MegatronTokens, seq_length: int, num_samples: i
     if tokens_per_epoch <= seq_length:
         raise UserError(f"{tokens.bin_path} holds {tokens_per_epoch} tokens, too few for one sample of "
                         f"{seq_length + 1}: give more data or a shorter --seq-len.")
-    epochs = 1
-    while (epochs * tokens_per_epoch - 1) // seq_length < num_samples:  # gpt2_dataset.py: _num_epochs
-        epochs += 1
+    epochs = gpt_neox_epochs(tokens_per_epoch, seq_length, num_samples)
     samples = (epochs * tokens_per_epoch - 1) // seq_length
     random = np.random.RandomState(seed=seed)
     final = gpt_neox_index_paths(tokens.prefix, seq_length, num_samples, seed)
