@@ -101,7 +101,7 @@ def test_a_failed_background_push_warns_and_keeps_its_folder(tmp_path, monkeypat
     with HubStandIn(token=TOKEN) as hub:
         monkeypatch.setenv("HF_TOKEN", TOKEN)
         monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
-        hub.commit_refusal = (500, "storage is full")
+        hub.commit_refusal = (507, "storage is full")  # 507: not one huggingface_hub retries with backoff
         pusher = BackgroundPusher("lab/tiny")
         folder = checkpoint_folder(tmp_path / "step-1", 1)
         pusher.submit(folder, revision="step-1")
