@@ -4,8 +4,14 @@ arithmetic, checked against hand-computed cases and against the engine's own sch
 
 from __future__ import annotations
 
-import pytest
+import os
 
+import datasets
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+
+from cram.plan import probe
 from cram.plan.days import (
     ramp_stages,
     ramp_steps,
@@ -15,10 +21,13 @@ from cram.plan.days import (
 )
 from cram.plan.models import recipe_for
 from cram.plan.report import markdown_table
+from cram.plan.space import Candidate
 from cram.plan.sweep import add_estimates
+from cram.plan.timing import MemoryGauge
 from cram.train import checkpoint as checkpoint_module
 from cram.train.ramp import Pace, steps_in_budget
 from cram.train.run import ScheduledCheckpointer
+from cram.train.runtime import build_accelerator
 from cram.train.state import TrainState
 
 DAY = 86_400.0
@@ -129,3 +138,38 @@ def test_budget_run_steps_follow_the_ramp_in_what_the_saves_leave():
                                 hardware_price=None, checkpoint_every_seconds=30.0)
     assert unramped["steps_in_budget"] == int(90 / 4.0)
 
+
+
+def test_a_probe_times_one_save_of_what_it_stepped_and_reads_with_the_runs_workers(tmp_path, monkeypatch):
+    # In this process: the real model, optimizer, Accelerate, loop, DataLoader and Checkpointer; only the corpus is
+    # a few random blocks (what is checked is where they are read and what is saved, not what they say).
+    blocks = datasets.Dataset.from_dict({"input_ids": torch.randint(0, 8192, (64, 32)).tolist()})
+    readers = tmp_path / "readers"
+    readers.mkdir()
+
+    def collate(items):
+        (readers / str(os.getpid())).touch()
+        return probe.causal_lm_batch(items)
+
+    monkeypatch.setattr(probe.CandidateRun, "_data", lambda self, cache_dir: (blocks, collate))
+    saved_folders = []
+    real_save = probe.Checkpointer.save
+
+    def save(self, state):
+        saved_folders.append(real_save(self, state))
+        assert (saved_folders[-1] / "cram_train_state.json").is_file()  # a whole training state, as a run writes
+        return saved_folders[-1]
+
+    monkeypatch.setattr(probe.Checkpointer, "save", save)
+    request = {"model": "pythia-14m", "candidate": Candidate().to_dict(), "seq_len": 32, "global_batch_size": 4,
+               "num_workers": 1, "result": str(tmp_path / "ddp.json")}
+    accelerator = build_accelerator("auto", "false", None, str(tmp_path))
+    try:
+        run = probe.CandidateRun(request, accelerator)
+        result = probe.time_steps(run, MemoryGauge(accelerator.device), micro_batch=2, warmup=1, timed=2)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)  # leave no state to later tests
+    assert result["accumulation"] == 2 and result["save_seconds"] > 0
+    assert [folder.name for folder in saved_folders] == ["step-00000003"]  # after 1 warm-up + 2 timed steps
+    assert not saved_folders[0].parent.exists()  # the save is timed, then deleted
+    assert {path.name for path in readers.iterdir()} - {str(os.getpid())}  # batches came from a worker process

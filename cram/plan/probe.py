@@ -114,7 +114,7 @@ class CandidateRun:
         batches = iter(stream_loader(
             self.blocks, self.collate, start=0, micro_batch_size=micro_batch,
             process_index=accelerator.process_index, num_processes=accelerator.num_processes,
-            pin_memory=accelerator.device.type == "cuda",
+            num_workers=self.request.get("num_workers", 0), pin_memory=accelerator.device.type == "cuda",
         ))
         train(model, optimizer, batches, accelerator, clock, TrainState(), peak_lr=1e-4, lr_shape=lambda _: 1.0,
               accumulation_at=lambda _: accumulation, max_grad_norm=1.0, log_every=10**9, show_progress=False)

@@ -48,6 +48,7 @@ class Setting:
     timed_steps: int
     max_timed_steps: int | None = None  # more timed steps while the spread is above spread_bound
     spread_bound: float = 0.0
+    num_workers: int = 0  # data loader workers per process, as the recipe's run will have them
 
     def key(self) -> str:
         """The setting and the library versions: a new torch or DeepSpeed may fit or run what an old one did not."""
@@ -204,7 +205,7 @@ def sweep(candidates: list[Candidate], setting: Setting, shape: Shape, limit_byt
                 "warmup_steps": setting.warmup_steps, "timed_steps": setting.timed_steps,
                 "max_timed_steps": setting.max_timed_steps, "spread_bound": setting.spread_bound,
                 "precision": "auto", "compile": "auto", "cache_dir": os.environ.get("CRAM_CACHE"),
-                "result": str(cached),
+                "num_workers": setting.num_workers, "result": str(cached),
             }
             result = search_and_time(request, accelerate_file, cache / f"{candidate.name}.request.json", timeout)
             if not cached.exists():  # a launch that wrote nothing: its failure is the cached result
