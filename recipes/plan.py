@@ -261,12 +261,14 @@ def report_projection(target: str, winner: dict, steps: int | None, device: str)
     count, gpu = parse_target(target)
     tokens_per_step = winner["tokens_per_second"] * winner["step_time"]["median"]
     projection = project(winner["mfu"], tokens_per_step, winner["flops_per_token"], steps, count, gpu, device)
+    assumptions = [*projection.assumptions, "the training-state saves are left out of the projected days (a "
+                   "save's time depends on the target's storage, which nothing here measures)"]
     print(f"\nPROJECTION (not measured) to {count} × {gpu.key}: {projection.step_seconds:.3f} s per step"
           + (f", {projection.days:.2f} days" if projection.days is not None else "")
           + (f", ${projection.cost_usd:,.0f} amortised" if projection.cost_usd is not None else "")
-          + "\nassuming:\n" + "\n".join(f"  - {line}" for line in projection.assumptions))
+          + "\nassuming:\n" + "\n".join(f"  - {line}" for line in assumptions))
     return {"target": target, "label": "projection", "step_seconds": projection.step_seconds,
-            "days": projection.days, "cost_usd": projection.cost_usd, "assumptions": list(projection.assumptions)}
+            "days": projection.days, "cost_usd": projection.cost_usd, "assumptions": assumptions}
 
 
 def verify(winner: dict, winning, options: PlanOptions, accelerate_file: Path, output_dir: Path,
