@@ -173,3 +173,13 @@ def test_a_probe_times_one_save_of_what_it_stepped_and_reads_with_the_runs_worke
     assert [folder.name for folder in saved_folders] == ["step-00000003"]  # after 1 warm-up + 2 timed steps
     assert not saved_folders[0].parent.exists()  # the save is timed, then deleted
     assert {path.name for path in readers.iterdir()} - {str(os.getpid())}  # batches came from a worker process
+
+
+def test_a_faster_step_with_slow_saves_loses_the_pick_to_the_shorter_run():
+    fast_steps, quick_saves = row(1.0, 1, 100.0), row(1.1, 1, 1.0)
+    fast_steps["candidate"], quick_saves["candidate"] = "zero3-offload", "zero2"
+    ranked = add_estimates([fast_steps, quick_saves], steps=1000, budget_hours=None, tokens_per_step=100,
+                           hardware_price=None, checkpoint_steps=(0, 500, 1000))
+    # 1000 × 1.0 + 3 × 100 = 1300 s against 1000 × 1.1 + 3 × 1 = 1103 s.
+    assert [row["candidate"] for row in ranked] == ["zero2", "zero3-offload"] and not ranked[0]["tie"]
+    assert ranked[0]["step_seconds_with_saves"] == pytest.approx(1.103)

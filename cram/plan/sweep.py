@@ -269,6 +269,7 @@ def add_estimates(rows: list[dict], steps: int | None, budget_hours: float | Non
             row["saves"] = saves_in_step_run(steps, step_seconds, checkpoint_steps, checkpoint_every_seconds)
             training_seconds = steps * step_seconds
             row["days"] = (training_seconds + row["saves"] * save_seconds) / SECONDS_PER_DAY
+            row["step_seconds_with_saves"] = row["days"] * SECONDS_PER_DAY / steps
         else:  # a wall-clock recipe: the budget is the time; the steps are what it buys
             budget_seconds = budget_hours * 3600
             row["days"] = budget_hours / 24
@@ -280,6 +281,9 @@ def add_estimates(rows: list[dict], steps: int | None, budget_hours: float | Non
                 row["seconds_per_micro_batch"] = step_seconds / row["accumulation"]
                 row["steps_in_budget"] = ramp_steps(training_seconds, row["seconds_per_micro_batch"],
                                                     row["accumulation"], ramp_end)
+            # The budget's seconds per final batch's worth of tokens trained.
+            row["step_seconds_with_saves"] = (step_seconds * budget_seconds / training_seconds if training_seconds > 0
+                                              else float("inf"))
         row["save_days"] = row["saves"] * save_seconds / SECONDS_PER_DAY
         # Every micro-batch of the run, ramped or not, is a share of the final step's tokens.
         total_tokens = training_seconds / step_seconds * tokens_per_step
@@ -294,9 +298,10 @@ def add_estimates(rows: list[dict], steps: int | None, budget_hours: float | Non
 
 
 def interval(row: dict) -> tuple[float, float]:
-    """The step time's median ± its spread (half the interquartile range)."""
+    """The run's seconds per step, saves included, ± the step time's spread (half its interquartile range)."""
     time = row["step_time"]
-    return time["median"] * (1 - time["spread"]), time["median"] * (1 + time["spread"])
+    noise = time["median"] * time["spread"]
+    return row["step_seconds_with_saves"] - noise, row["step_seconds_with_saves"] + noise
 
 
 def headroom(row: dict) -> float:
@@ -305,10 +310,11 @@ def headroom(row: dict) -> float:
 
 
 def rank(rows: list[dict]) -> list[dict]:
-    """Feasible rows first. The candidates whose step-time interval overlaps the fastest's are a tie (the noise
-    could order them either way): they come first, the one with the most memory headroom picked; then the rest,
-    fastest first; then the infeasible rows."""
-    feasible = sorted((row for row in rows if row["status"] == "ok"), key=lambda row: row["step_time"]["median"])
+    """Feasible rows first, by the run's seconds per step with its saves (a fast step with slow saves can lose).
+    The candidates whose interval overlaps the fastest's are a tie (the noise could order them either way): they
+    come first, the one with the most memory headroom picked; then the rest, fastest first; then the infeasible
+    rows."""
+    feasible = sorted((row for row in rows if row["status"] == "ok"), key=lambda row: row["step_seconds_with_saves"])
     if feasible:
         fastest_high = interval(feasible[0])[1]
         tied = [row for row in feasible if interval(row)[0] <= fastest_high]
