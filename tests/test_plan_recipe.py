@@ -45,7 +45,7 @@ def test_sweep_tables_candidates_fastest_first_with_infeasible_ones_and_their_re
     rows = {row["candidate"]: row for row in plan["rows"]}
     assert [row["candidate"] for row in plan["rows"]][2] == "fsdp-full"
     run_seconds = [row["step_seconds_with_saves"] for row in plan["rows"][:2]]  # per step, saves included
-    assert plan["rows"][0]["tie"] or run_seconds == sorted(run_seconds)  # a tie is picked by headroom (test_plan_rank.py)
+    assert plan["rows"][0]["tie"] or run_seconds == sorted(run_seconds)  # a tie: by headroom (test_plan_rank.py)
     assert rows["fsdp-full"]["status"] == "infeasible" and "FSDP needs GPUs" in rows["fsdp-full"]["reason"]
     for name in ("zero1", "zero2-offload"):
         row = rows[name]
