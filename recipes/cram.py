@@ -33,7 +33,7 @@ from cram.hub import ModelCardFacts
 from cram.models.crammed_bert import PRESETS, CrammedBertConfig, CrammedBertForMaskedLM
 from cram.train.budget import BudgetClock, StepClock, budget_triangle, parse_budget
 from cram.train.optim import build_adamw
-from cram.train.ramp import BudgetRamp, Pace, full_accumulation, ramp_accumulation
+from cram.train.ramp import RAMP_END, BudgetRamp, Pace, full_accumulation, ramp_accumulation
 from cram.train.run import RecipeRun, RunOptions, check_run_options
 from cram.train.runtime import check_optimizer_for_deepspeed, configure_deepspeed, enable_tf32, local_main_first
 from cram.train.sampling import stream_loader
@@ -68,7 +68,7 @@ class TrainingOptions:
               "the largest batch (up to 1024 and 256) that leaves --min-steps steps in the budget")
     micro_batch_size: int | None = option(
         None, "sequences per forward pass per process; unset means the preset's (128 for crammed-bert)")
-    ramp_end: float = option(0.6, "budget fraction at which the batch reaches its target size")
+    ramp_end: float = option(RAMP_END, "budget fraction at which the batch reaches its target size")
     min_steps: int = option(
         300, "small and tiny presets under a wall-clock budget: the ramp's target is the largest batch that still "
              "leaves this many optimizer steps at the measured speed")

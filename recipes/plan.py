@@ -11,6 +11,7 @@ of its own, with the config pair the planner would emit for it, through the reci
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -39,12 +40,21 @@ from cram.plan.models import (
 from cram.plan.report import markdown_table, write_reports
 from cram.plan.space import OPTIMIZERS, candidate_space, select_candidates
 from cram.plan.sweep import Setting, add_estimates, launch_probe, sweep
+from cram.train.run import RunOptions, default_num_workers
 from cram.train.runtime import cpu_has_bf16_units, launch_device_type
 from cram.train.throughput import gpu_for_device_name
 
 # What `days` does not include yet: labelled in the table and the printed estimate.
-LEFT_OUT_OF_DAYS = ("checkpoint writes", "data loading from disk with the recipe's workers (the probe reads an "
-                    "in-memory corpus)", "crammed BERT's batch ramp (only the final batch is timed)")
+LEFT_OUT_OF_DAYS = (
+    "reading the run's own data: the probe reads the embedded corpus, prepared on disk (memory-mapped), with the "
+    "run's loader workers; a Pythia run reads its --data, crammed-bert's default streams pile-readymade from the Hub",
+    "the final model's export after the last step",
+    "crammed BERT's ramp: a step of a micro-batches is taken as a × the final batch's time per micro-batch (the "
+    "optimizer step's fixed cost weighs more in the ramp's small steps, so they are counted a little too many)",
+)
+# The recipes' own interval of time-based training-state saves (--checkpoint-every-minutes).
+RECIPE_CHECKPOINT_MINUTES = next(field.default for field in dataclasses.fields(RunOptions)
+                                 if field.name == "checkpoint_every_minutes")
 SIZE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
               "gb": 10**9, "tb": 10**12}
 
@@ -77,6 +87,12 @@ class PlanOptions:
               "pruned (unset: the available RAM)")
     price_per_gpu_hour: float | None = option(
         None, "cloud price of one GPU for one hour in dollars: adds the rental cost beside the amortised one")
+    num_workers: int | None = option(
+        None, "the run's --num-workers: data loader workers per process in the timed steps (unset: the recipes' "
+        "rule, 2 on GPU, 0 on CPU); the emitted command carries it")
+    checkpoint_every_minutes: float = option(
+        RECIPE_CHECKPOINT_MINUTES, "the run's --checkpoint-every-minutes (0: off): its time-based saves count in the "
+        "days, and the emitted command carries it")
 
 
 def parse_size(text: str) -> int:
@@ -102,8 +118,10 @@ def parse_options() -> PlanOptions:
     options.global_batch_size = options.global_batch_size or recipe.global_batch_size
     if options.seq_len <= 0 or options.global_batch_size <= 0:
         raise UserError("--seq-len and --global-batch-size must be positive: give e.g. --seq-len 128.")
-    if options.spread_bound < 0 or options.price_per_gpu_hour is not None and options.price_per_gpu_hour < 0:
-        raise UserError("--spread-bound and --price-per-gpu-hour cannot be negative: give e.g. 0.05 and 2.5.")
+    if options.spread_bound < 0 or options.price_per_gpu_hour is not None and options.price_per_gpu_hour < 0 \
+            or options.checkpoint_every_minutes < 0 or options.num_workers is not None and options.num_workers < 0:
+        raise UserError("--spread-bound, --price-per-gpu-hour, --checkpoint-every-minutes and --num-workers cannot "
+                        "be negative: give e.g. 0.05, 2.5, 30 and 2.")
     if options.warmup_steps < 1 or options.timed_steps < 2 or options.verify_steps < 2:
         raise UserError("give at least 1 warm-up step and 2 timed steps (--warmup-steps, --timed-steps, "
                         "--verify-steps): a spread needs two.")
@@ -134,6 +152,8 @@ def main() -> None:
         raise UserError(f"the global batch {options.global_batch_size} is not divisible by the {num_processes} "
                         f"processes: give a --global-batch-size that is a multiple of {num_processes}.")
     device = "CPU" if use_cpu else torch.cuda.get_device_name(0)
+    num_workers = (options.num_workers if options.num_workers is not None
+                   else default_num_workers("cpu" if use_cpu else "cuda"))
     if options.target is not None and (use_cpu or gpu_for_device_name(device) is None):
         raise UserError(f"a projection to {options.target} scales the efficiency (MFU) measured here, and {device} "
                         "has no peak throughput in the GPU table: run the planner with --target on such a GPU.")
@@ -155,7 +175,7 @@ def main() -> None:
     output_dir = Path(options.output_dir)
     setting = Setting(options.model, options.seq_len, options.global_batch_size, num_processes, use_cpu, device,
                       limit if options.memory_limit is not None else None, options.warmup_steps, options.timed_steps,
-                      max(options.max_timed_steps, options.timed_steps), options.spread_bound)
+                      max(options.max_timed_steps, options.timed_steps), options.spread_bound, num_workers)
 
     # Run: one launch per candidate that may fit.
     print(f"planning {options.model} ({shape.parameters:,} parameters, {options.global_batch_size} × "
@@ -167,7 +187,8 @@ def main() -> None:
     price = hardware_price(num_processes, gpu) if gpu else None
     steps = recipe.steps
     rows = add_estimates(rows, steps, recipe.budget_hours, options.global_batch_size * options.seq_len, price,
-                         options.price_per_gpu_hour)
+                         options.price_per_gpu_hour, checkpoint_steps=recipe.checkpoint_steps,
+                         checkpoint_every_seconds=options.checkpoint_every_minutes * 60, ramp_end=recipe.ramp_end)
 
     # Report: table, chart, the winner's config pair and command, projection, verification.
     shrunk = (options.seq_len, options.global_batch_size) != (recipe.seq_len, recipe.global_batch_size)
@@ -186,14 +207,19 @@ def main() -> None:
     accelerate_file = write_pair(winning, output_dir, num_processes, use_cpu, layer_class_name(config),
                                  config.hidden_size)
     recipe_script, model_flags = recipe_command_parts(options.model)
-    command = launch_command(accelerate_file, recipe_script, model_flags,
-                             recipe_flags(winning, winner["micro_batch"], options.global_batch_size,
-                                          is_causal(options.model)))
+    flags = recipe_flags(winning, winner["micro_batch"], options.global_batch_size, is_causal(options.model))
+    if options.checkpoint_every_minutes != RECIPE_CHECKPOINT_MINUTES:  # the saves the days count
+        flags.append(f"--checkpoint-every-minutes {options.checkpoint_every_minutes:g}")
+    if options.num_workers is not None:  # the workers the steps were timed with
+        flags.append(f"--num-workers {options.num_workers}")
+    command = launch_command(accelerate_file, recipe_script, model_flags, flags)
     plan["winner"] = {"candidate": winning.name, "accelerate_config": str(accelerate_file), "command": command}
     days = winner["days"]
     tied = [row["candidate"] for row in rows if row.get("tie") and row is not winner]
     print(f"picked: {winning.name}, {winner['step_time']['median']:.3f} s per step "
-          f"± {winner['step_time']['spread']:.1%} -> {days:.2f} days"
+          f"± {winner['step_time']['spread']:.1%}, {describe_saves(winner)} -> {days:.2f} days"
+          + (f" ({winner['steps_in_budget']:,} steps in the budget, the batch ramp integrated)"
+             if "steps_in_budget" in winner else "")
           + (f", ${winner['cost_usd']:,.0f} amortised" if winner.get("cost_usd") is not None else
              " (no price: this hardware is not in the price table)")
           + (f", ${winner['cloud_cost_usd']:,.0f} at ${options.price_per_gpu_hour:g} per GPU-hour"
@@ -207,9 +233,16 @@ def main() -> None:
     if options.target is not None:
         plan["projection"] = report_projection(options.target, winner, steps, device)
     if options.verify:
-        plan["verify"] = verify(winner, winning, options, accelerate_file, output_dir)
+        plan["verify"] = verify(winner, winning, options, accelerate_file, output_dir, setting.num_workers)
     write_reports(plan, output_dir)
     print(f"table: {output_dir / 'plan.md'}, chart: {output_dir / 'plan.png'}, data: {output_dir / 'plan.json'}")
+
+
+def describe_saves(row: dict) -> str:
+    if row["saves"] == 0:
+        return "no training-state saves"
+    return (f"{row['saves']} training-state saves of {row['save_seconds']:.2f} s "
+            f"({row['save_days'] * 24:.2f} h)")
 
 
 def check_something_fits(space, shape: Shape, limit: int, num_processes: int) -> None:
@@ -228,15 +261,18 @@ def report_projection(target: str, winner: dict, steps: int | None, device: str)
     count, gpu = parse_target(target)
     tokens_per_step = winner["tokens_per_second"] * winner["step_time"]["median"]
     projection = project(winner["mfu"], tokens_per_step, winner["flops_per_token"], steps, count, gpu, device)
+    assumptions = [*projection.assumptions, "the training-state saves are left out of the projected days (a "
+                   "save's time depends on the target's storage, which nothing here measures)"]
     print(f"\nPROJECTION (not measured) to {count} × {gpu.key}: {projection.step_seconds:.3f} s per step"
           + (f", {projection.days:.2f} days" if projection.days is not None else "")
           + (f", ${projection.cost_usd:,.0f} amortised" if projection.cost_usd is not None else "")
-          + "\nassuming:\n" + "\n".join(f"  - {line}" for line in projection.assumptions))
+          + "\nassuming:\n" + "\n".join(f"  - {line}" for line in assumptions))
     return {"target": target, "label": "projection", "step_seconds": projection.step_seconds,
-            "days": projection.days, "cost_usd": projection.cost_usd, "assumptions": list(projection.assumptions)}
+            "days": projection.days, "cost_usd": projection.cost_usd, "assumptions": assumptions}
 
 
-def verify(winner: dict, winning, options: PlanOptions, accelerate_file: Path, output_dir: Path) -> dict:
+def verify(winner: dict, winning, options: PlanOptions, accelerate_file: Path, output_dir: Path,
+           num_workers: int) -> dict:
     """Launch the emitted pair again for N steps at the winner's micro-batch: predicted against observed."""
     result_file = output_dir / "verify" / "result.json"
     result_file.unlink(missing_ok=True)
@@ -246,7 +282,8 @@ def verify(winner: dict, winning, options: PlanOptions, accelerate_file: Path, o
         "micro_batch": winner["micro_batch"], "warmup_steps": options.warmup_steps,
         "timed_steps": options.verify_steps, "max_timed_steps": max(options.max_timed_steps, options.verify_steps),
         "spread_bound": options.spread_bound, "precision": "auto", "compile": "auto",
-        "cache_dir": os.environ.get("CRAM_CACHE"), "result": str(result_file),
+        "cache_dir": os.environ.get("CRAM_CACHE"), "num_workers": num_workers,
+        "result": str(result_file),
     }
     result = launch_probe(accelerate_file, request, output_dir / "verify" / "request.json", options.candidate_timeout)
     if result["status"] != "ok":

@@ -17,7 +17,7 @@ GIB = 2**30
 def measured(name: str, median: float, spread: float, peak_gib: float) -> dict:
     return {"candidate": name, "status": "ok", "source": "measured", "micro_batch": 8, "accumulation": 1,
             "step_time": {"median": median, "spread": spread}, "tokens_per_second": 1000.0, "num_processes": 2,
-            "peak_memory_bytes": peak_gib * GIB, "memory_limit_bytes": 4 * GIB}
+            "peak_memory_bytes": peak_gib * GIB, "memory_limit_bytes": 4 * GIB, "save_seconds": 0.5}
 
 
 def infeasible(name: str) -> dict:
@@ -75,5 +75,5 @@ def test_timing_stops_once_settled_and_goes_on_while_noisy(monkeypatch):
 def test_the_written_plan_says_what_its_days_leave_out(tmp_path):
     rows = add_estimates([measured("zero1", 1.0, 0.01, 1.0)], steps=10, budget_hours=None, tokens_per_step=1,
                          hardware_price=None)
-    write_reports({"title": "t", "rows": rows, "left_out_of_days": ["checkpoint writes"]}, tmp_path)
-    assert (tmp_path / "plan.md").read_text().endswith("Left out of the days:\n- checkpoint writes\n")
+    write_reports({"title": "t", "rows": rows, "left_out_of_days": ["data loading"]}, tmp_path)
+    assert (tmp_path / "plan.md").read_text().endswith("Left out of the days:\n- data loading\n")

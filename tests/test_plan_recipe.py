@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from launching import accelerate_launch
 
+from cram.plan.days import ramp_steps, saves_in_budget, training_seconds_in_budget
+
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 # Two processes, 8 sequences each per micro-step at most: the 2 GiB limit is not the binding one here.
@@ -43,8 +45,8 @@ def test_sweep_tables_candidates_fastest_first_with_infeasible_ones_and_their_re
     plan = json.loads((output_dir / "plan.json").read_text())
     rows = {row["candidate"]: row for row in plan["rows"]}
     assert [row["candidate"] for row in plan["rows"]][2] == "fsdp-full"
-    medians = [row["step_time"]["median"] for row in plan["rows"][:2]]
-    assert plan["rows"][0]["tie"] or medians == sorted(medians)  # a tie is picked by headroom (test_plan_rank.py)
+    run_seconds = [row["step_seconds_with_saves"] for row in plan["rows"][:2]]  # per step, saves included
+    assert plan["rows"][0]["tie"] or run_seconds == sorted(run_seconds)  # a tie: by headroom (test_plan_rank.py)
     assert rows["fsdp-full"]["status"] == "infeasible" and "FSDP needs GPUs" in rows["fsdp-full"]["reason"]
     for name in ("zero1", "zero2-offload"):
         row = rows[name]
@@ -54,9 +56,17 @@ def test_sweep_tables_candidates_fastest_first_with_infeasible_ones_and_their_re
         assert len(row["step_time"]["steps"]) == 4 and row["step_time"]["median"] > 0
         assert 0 < row["peak_memory_bytes"] <= 2 * 2**30
         assert row["probes"][-1]["fits"] and row["days"] == pytest.approx(1.0)  # crammed BERT: a 24-hour budget
-        assert row["steps_in_budget"] == int(24 * 3600 / row["step_time"]["median"])
+        # One training-state save, measured through the engine's Checkpointer; one every 30 minutes of the budget.
+        assert row["save_seconds"] > 0
+        assert row["saves"] == saves_in_budget(24 * 3600, 30 * 60, row["save_seconds"]) >= 47
+        # The ramp to the final batch of `accumulation` micro-batches, in what the saves leave of the budget.
+        assert row["steps_in_budget"] == ramp_steps(
+            training_seconds_in_budget(24 * 3600, 30 * 60, row["save_seconds"]),
+            row["step_time"]["median"] / row["accumulation"], row["accumulation"], 0.6)
     table = (output_dir / "plan.md").read_text()
     assert "| fsdp-full |" in table and "infeasible: FSDP needs GPUs" in table
+    assert f"| {rows['zero1']['saves']} × {rows['zero1']['save_seconds']:.2f} |" in table
+    assert not any("checkpoint" in item or "ramp (only" in item for item in plan["left_out_of_days"])
     assert (output_dir / "plan.png").read_bytes().startswith(b"\x89PNG")
     assert "run it with:" in completed.stdout and plan["winner"]["command"] in completed.stdout
 

@@ -171,7 +171,8 @@ def test_a_projection_is_labelled_and_prints_its_assumptions(plan_recipe, capsys
     printed = capsys.readouterr().out
     assert projection["label"] == "projection" and "PROJECTION (not measured) to 8 × h100" in printed
     assert projection["step_seconds"] == pytest.approx(2_097_152 * 6.5e9 / (0.35 * 8 * 989e12))
-    assert len(projection["assumptions"]) == 3 and all(line in printed for line in projection["assumptions"])
+    assert len(projection["assumptions"]) == 4 and all(line in printed for line in projection["assumptions"])
+    assert "saves are left out of the projected days" in projection["assumptions"][-1]
     assert projection["cost_usd"] == pytest.approx((8 * 30_000 + 10_500) * projection["days"] / (5 * 365))
 
 

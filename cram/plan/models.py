@@ -10,7 +10,15 @@ from transformers import GPTNeoXConfig, PretrainedConfig
 
 from cram.errors import UserError
 from cram.models.crammed_bert import PRESETS, CrammedBertConfig, CrammedBertForMaskedLM
-from cram.models.pythia import PYTHIA_SIZES, build_pythia_model, pythia_config, pythia_recipe, pythia_size_of
+from cram.models.pythia import (
+    PYTHIA_SIZES,
+    build_pythia_model,
+    pythia_checkpoint_steps,
+    pythia_config,
+    pythia_recipe,
+    pythia_size_of,
+)
+from cram.train.ramp import RAMP_END
 from cram.train.throughput import crammed_bert_flops_per_token, gpt_neox_flops_per_token
 
 CRAMMED_BERT_PRESETS = {
@@ -27,10 +35,12 @@ class Recipe:
     seq_len: int
     steps: int | None  # None: a wall-clock budget decides the length instead
     budget_hours: float | None = None
+    checkpoint_steps: tuple[int, ...] = ()  # training states saved at these steps, besides the time-based ones
+    ramp_end: float | None = None  # the budget fraction at which the batch ramp reaches the full batch; None: none
 
 
 # Crammed BERT trains for 24 hours; its batch ramps up to 8192 sequences of 128 tokens.
-CRAMMED_BERT_RECIPE = Recipe(global_batch_size=8192, seq_len=128, steps=None, budget_hours=24.0)
+CRAMMED_BERT_RECIPE = Recipe(global_batch_size=8192, seq_len=128, steps=None, budget_hours=24.0, ramp_end=RAMP_END)
 
 
 def check_model_name(name: str) -> None:
@@ -42,7 +52,8 @@ def recipe_for(name: str) -> Recipe:
     check_model_name(name)
     if name in PYTHIA_SIZES:
         recipe = pythia_recipe(name)
-        return Recipe(global_batch_size=recipe.global_batch_size, seq_len=recipe.seq_len, steps=recipe.train_steps)
+        return Recipe(global_batch_size=recipe.global_batch_size, seq_len=recipe.seq_len, steps=recipe.train_steps,
+                      checkpoint_steps=tuple(pythia_checkpoint_steps(recipe.train_steps)))
     return CRAMMED_BERT_RECIPE
 
 

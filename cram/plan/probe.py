@@ -15,7 +15,9 @@ import copy
 import gc
 import json
 import os
+import shutil
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -28,7 +30,8 @@ from cram.data.collator import MaskedLMCollator
 from cram.plan.models import build_model, flops_per_token, is_causal, model_config
 from cram.plan.search import Probe, divisors, largest_micro_batch
 from cram.plan.space import Candidate
-from cram.plan.timing import MemoryGauge, SettlingClock, TimingClock
+from cram.plan.timing import MemoryGauge, SettlingClock, TimingClock, synchronize
+from cram.train.checkpoint import Checkpointer
 from cram.train.loop import train
 from cram.train.optim import build_adamw
 from cram.train.runtime import (
@@ -111,7 +114,7 @@ class CandidateRun:
         batches = iter(stream_loader(
             self.blocks, self.collate, start=0, micro_batch_size=micro_batch,
             process_index=accelerator.process_index, num_processes=accelerator.num_processes,
-            pin_memory=accelerator.device.type == "cuda",
+            num_workers=self.request.get("num_workers", 0), pin_memory=accelerator.device.type == "cuda",
         ))
         train(model, optimizer, batches, accelerator, clock, TrainState(), peak_lr=1e-4, lr_shape=lambda _: 1.0,
               accumulation_at=lambda _: accumulation, max_grad_norm=1.0, log_every=10**9, show_progress=False)
@@ -174,10 +177,11 @@ def time_steps(run: CandidateRun, gauge: MemoryGauge, micro_batch: int, warmup: 
     clock = SettlingClock(warmup, timed, max_timed or timed, spread_bound, run.accelerator.device)
     try:
         run.steps(micro_batch, accumulation, clock)
+        (peak,) = agree_max(run.accelerator, [gauge.peak()])  # of the steps: the save's own memory is not counted
+        save_seconds = time_one_save(run, len(clock.marks) - 1)
     finally:
         run.release()
     times = clock.timed()
-    (peak,) = agree_max(run.accelerator, [gauge.peak()])
     tokens_per_second = run.global_batch_size * run.seq_len / times.median
     per_token = flops_per_token(run.config, run.seq_len)
     peak_device_flops = peak_flops(run.accelerator.device)
@@ -191,7 +195,27 @@ def time_steps(run: CandidateRun, gauge: MemoryGauge, micro_batch: int, warmup: 
         "mfu": tokens_per_second * per_token / (peak_device_flops * run.accelerator.num_processes)
         if peak_device_flops else None,
         "peak_memory_bytes": peak,
+        "save_seconds": save_seconds,
     }
+
+
+def time_one_save(run: CandidateRun, optimizer_steps: int) -> float:
+    """Seconds of one training-state save of the model and optimizer just stepped, written as the recipes write
+    it (`Checkpointer.save`: Accelerate's `save_state`, DeepSpeed's or FSDP's sharded states, the state file, the
+    rename) into a folder beside the result, then deleted. Every process saves; rank 0's time covers them all,
+    as the save ends with all of them waiting for each other. A save that fails (a full disk) fails the
+    candidate: the recipe's run would fail there too."""
+    folder = Path(run.request["result"]).with_suffix(".save-probe")
+    checkpointer = Checkpointer(run.accelerator, folder, {"planner": "one save, timed"}, keep=1)
+    synchronize(run.accelerator.device)
+    started = time.perf_counter()
+    try:
+        checkpointer.save(TrainState(optimizer_steps=optimizer_steps))
+        synchronize(run.accelerator.device)
+        return time.perf_counter() - started
+    finally:
+        if run.accelerator.is_main_process:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def describe_device(accelerator: Accelerator) -> str:

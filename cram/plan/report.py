@@ -21,20 +21,21 @@ def tie_note(rank: int, row: dict) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| # | candidate | micro-batch × accum. | step time (s) | tokens/s | MFU | peak memory (GiB) | days | cost ($) "
-        "| cloud ($) | analytic days | measured ÷ analytic | status |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| # | candidate | micro-batch × accum. | step time (s) | tokens/s | MFU | peak memory (GiB) "
+        "| saves × one save (s) | days | cost ($) | cloud ($) | analytic days | measured ÷ analytic | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for rank, row in enumerate(rows, 1):
         if row["status"] != "ok":
-            lines.append(f"| – | {row['candidate']} | | | | | | | | | | | infeasible: {row['reason']} |")
+            lines.append(f"| – | {row['candidate']} | | | | | | | | | | | | infeasible: {row['reason']} |")
             continue
         time = row["step_time"]
         lines.append(
             f"| {rank} | {row['candidate']} | {row['micro_batch']} × {row['accumulation']} "
             f"| {time['median']:.3f} ± {time['spread']:.1%} | {row['tokens_per_second']:,.0f} "
             f"| {_number(row.get('mfu'), '.1%')} | {row['peak_memory_bytes'] / 2**30:.2f} "
-            f"| {row['days']:.2f} | {_number(row.get('cost_usd'), ',.0f')} "
+            f"| {row['saves']} × {row['save_seconds']:.2f} | {row['days']:.2f} "
+            f"| {_number(row.get('cost_usd'), ',.0f')} "
             f"| {_number(row.get('cloud_cost_usd'), ',.0f')} "
             f"| {_number(row.get('analytic_days'), '.2f')} | {_number(row.get('measured_over_analytic'), '.2f')} "
             f"| {row['source']}{tie_note(rank, row)} |"

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,10 +21,13 @@ import psutil
 
 from cram.errors import UserError
 from cram.plan.cost import SECONDS_PER_DAY, amortised_cost, analytic_days, cloud_cost
+from cram.plan.days import ramp_steps, saves_in_budget, saves_in_step_run, training_seconds_in_budget
 from cram.plan.emit import write_atomically, write_pair
 from cram.plan.memory import Shape, prune_reason, seed_micro_batch
 from cram.plan.space import Candidate
 
+# What a probe's result holds, by version: a cached result of an earlier version misses (2: the save time).
+PROBE_RESULT_VERSION = 2
 # Launcher variables of a parent started by `accelerate launch`: a child launch must not inherit them.
 LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                     "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
@@ -44,10 +48,12 @@ class Setting:
     timed_steps: int
     max_timed_steps: int | None = None  # more timed steps while the spread is above spread_bound
     spread_bound: float = 0.0
+    num_workers: int = 0  # data loader workers per process, as the recipe's run will have them
 
     def key(self) -> str:
         """The setting and the library versions: a new torch or DeepSpeed may fit or run what an old one did not."""
-        text = json.dumps({**vars(self), "versions": library_versions()}, sort_keys=True)
+        text = json.dumps({**vars(self), "versions": library_versions(), "result_version": PROBE_RESULT_VERSION},
+                          sort_keys=True)
         return f"{self.model}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
@@ -199,7 +205,7 @@ def sweep(candidates: list[Candidate], setting: Setting, shape: Shape, limit_byt
                 "warmup_steps": setting.warmup_steps, "timed_steps": setting.timed_steps,
                 "max_timed_steps": setting.max_timed_steps, "spread_bound": setting.spread_bound,
                 "precision": "auto", "compile": "auto", "cache_dir": os.environ.get("CRAM_CACHE"),
-                "result": str(cached),
+                "num_workers": setting.num_workers, "result": str(cached),
             }
             result = search_and_time(request, accelerate_file, cache / f"{candidate.name}.request.json", timeout)
             if not cached.exists():  # a launch that wrote nothing: its failure is the cached result
@@ -240,37 +246,62 @@ def describe_row(row: dict) -> str:
         return f"infeasible ({row['reason']})"
     time = row["step_time"]
     return (f"micro-batch {row['micro_batch']} × {row['accumulation']} accumulation, "
-            f"{time['median']:.3f} s/step ± {time['spread']:.1%} ({row['source']})")
+            f"{time['median']:.3f} s/step ± {time['spread']:.1%}, one save {row['save_seconds']:.2f} s "
+            f"({row['source']})")
 
 
 def add_estimates(rows: list[dict], steps: int | None, budget_hours: float | None, tokens_per_step: int,
-                  hardware_price: float | None, price_per_gpu_hour: float | None = None) -> list[dict]:
-    """Days and cost of the full run for every feasible row, with the FLOP-based estimate; ranked by `rank`."""
+                  hardware_price: float | None, price_per_gpu_hour: float | None = None, *,
+                  checkpoint_steps: Collection[int] = (), checkpoint_every_seconds: float = 0.0,
+                  ramp_end: float | None = None) -> list[dict]:
+    """Days and cost of the full run for every feasible row, with the FLOP-based estimate; ranked by `rank`.
+
+    A step-based recipe (Pythia) takes its steps plus its saves (the `checkpoint_steps` and one every
+    `checkpoint_every_seconds`), each the probe's measured save time. A wall-clock recipe (crammed BERT) takes
+    its budget, of which the saves take their share; the steps the rest buys follow the batch ramp up to
+    `ramp_end` (each step's time in proportion to its micro-batches) when `ramp_end` is given."""
     for row in rows:
         if row["status"] != "ok":
             continue
         step_seconds = row["step_time"]["median"]
+        save_seconds = row["save_seconds"]
         if steps is not None:
-            row["days"] = steps * step_seconds / SECONDS_PER_DAY
-            total_tokens = steps * tokens_per_step
+            row["saves"] = saves_in_step_run(steps, step_seconds, checkpoint_steps, checkpoint_every_seconds)
+            training_seconds = steps * step_seconds
+            row["days"] = (training_seconds + row["saves"] * save_seconds) / SECONDS_PER_DAY
+            row["step_seconds_with_saves"] = row["days"] * SECONDS_PER_DAY / steps
         else:  # a wall-clock recipe: the budget is the time; the steps are what it buys
+            budget_seconds = budget_hours * 3600
             row["days"] = budget_hours / 24
-            row["steps_in_budget"] = int(budget_hours * 3600 / step_seconds)
-            total_tokens = row["steps_in_budget"] * tokens_per_step
+            row["saves"] = saves_in_budget(budget_seconds, checkpoint_every_seconds, save_seconds)
+            training_seconds = training_seconds_in_budget(budget_seconds, checkpoint_every_seconds, save_seconds)
+            if ramp_end is None:
+                row["steps_in_budget"] = int(training_seconds / step_seconds)
+            else:
+                row["seconds_per_micro_batch"] = step_seconds / row["accumulation"]
+                row["steps_in_budget"] = ramp_steps(training_seconds, row["seconds_per_micro_batch"],
+                                                    row["accumulation"], ramp_end)
+            # The budget's seconds per final batch's worth of tokens trained.
+            row["step_seconds_with_saves"] = (step_seconds * budget_seconds / training_seconds if training_seconds > 0
+                                              else float("inf"))
+        row["save_days"] = row["saves"] * save_seconds / SECONDS_PER_DAY
+        # Every micro-batch of the run, ramped or not, is a share of the final step's tokens.
+        total_tokens = training_seconds / step_seconds * tokens_per_step
         row["cost_usd"] = amortised_cost(hardware_price, row["days"])
         row["cloud_cost_usd"] = cloud_cost(price_per_gpu_hour, row["num_processes"], row["days"])
         if row.get("peak_flops_per_device"):
             analytic = analytic_days(total_tokens, row["flops_per_token"], row["num_processes"],
                                      row["peak_flops_per_device"])
             row["analytic_days"] = analytic
-            row["measured_over_analytic"] = (total_tokens / tokens_per_step * step_seconds / SECONDS_PER_DAY) / analytic
+            row["measured_over_analytic"] = training_seconds / SECONDS_PER_DAY / analytic
     return rank(rows)
 
 
 def interval(row: dict) -> tuple[float, float]:
-    """The step time's median ± its spread (half the interquartile range)."""
+    """The run's seconds per step, saves included, ± the step time's spread (half its interquartile range)."""
     time = row["step_time"]
-    return time["median"] * (1 - time["spread"]), time["median"] * (1 + time["spread"])
+    noise = time["median"] * time["spread"]
+    return row["step_seconds_with_saves"] - noise, row["step_seconds_with_saves"] + noise
 
 
 def headroom(row: dict) -> float:
@@ -279,10 +310,11 @@ def headroom(row: dict) -> float:
 
 
 def rank(rows: list[dict]) -> list[dict]:
-    """Feasible rows first. The candidates whose step-time interval overlaps the fastest's are a tie (the noise
-    could order them either way): they come first, the one with the most memory headroom picked; then the rest,
-    fastest first; then the infeasible rows."""
-    feasible = sorted((row for row in rows if row["status"] == "ok"), key=lambda row: row["step_time"]["median"])
+    """Feasible rows first, by the run's seconds per step with its saves (a fast step with slow saves can lose).
+    The candidates whose interval overlaps the fastest's are a tie (the noise could order them either way): they
+    come first, the one with the most memory headroom picked; then the rest, fastest first; then the infeasible
+    rows."""
+    feasible = sorted((row for row in rows if row["status"] == "ok"), key=lambda row: row["step_seconds_with_saves"])
     if feasible:
         fastest_high = interval(feasible[0])[1]
         tied = [row for row in feasible if interval(row)[0] <= fastest_high]

@@ -82,6 +82,12 @@ class RunOptions:
         "how long a process waits for the others in a collective (a gradient sync, a checkpoint) before failing")
 
 
+def default_num_workers(device_type: str) -> int:
+    """Data loader workers when --num-workers is unset: 2 on GPU; on the CPU, workers would take cores from the
+    model."""
+    return 2 if device_type == "cuda" else 0
+
+
 def check_run_options(options: RunOptions) -> None:
     """Refuse run options a user got wrong, before anything starts."""
     if options.report_to not in TRACKERS:
@@ -158,7 +164,7 @@ class RecipeRun:
     def num_workers(self) -> int:
         if self.options.num_workers is not None:
             return self.options.num_workers
-        return 2 if self.device_type == "cuda" else 0  # on the CPU, workers would take cores from the model
+        return default_num_workers(self.device_type)
 
     def check_resume(self, facts: dict) -> None:
         """Remember what a resumed run must share with this one; refuse a checkpoint written by a different run."""
