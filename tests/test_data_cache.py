@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -154,3 +155,17 @@ def test_a_set_prepared_before_the_format_changed_is_not_reused(tmp_path, corpus
     new = prepare(options, cache_dir=tmp_path / "cache", num_proc=1, progress=False)
     assert cram.data.cache.FORMAT_VERSION == 2
     assert new.path != old.path and is_prepared(old.path) and is_prepared(new.path)
+
+
+def test_the_embedded_corpus_is_keyed_by_the_installation_not_the_path_that_reaches_it(tmp_path, monkeypatch):
+    # A venv reached through a symlink (a CI clone's .venv linked to a shared one; `accelerate`'s script naming the
+    # venv's real python) is one installation: a recipe's launched processes must find the corpus its parent built.
+    from cram.data import corpus
+
+    real = sysconfig.get_paths()
+    (tmp_path / "venv-link").symlink_to(Path(real["purelib"]).parent, target_is_directory=True)
+    linked = {**real, "purelib": str(tmp_path / "venv-link" / Path(real["purelib"]).name),
+              "platlib": str(tmp_path / "venv-link" / Path(real["platlib"]).name)}
+    direct = corpus._environment_key()
+    monkeypatch.setattr(corpus.sysconfig, "get_paths", lambda: linked)
+    assert corpus._environment_key() == direct

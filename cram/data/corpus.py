@@ -49,13 +49,15 @@ def _environment_key() -> str:
     return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
+# Real paths: a virtualenv reached through a symlink is the same installation, and a recipe launched through
+# `accelerate` (whose script names the venv's own python) must find the corpus its parent process built.
 def _stdlib_dir() -> str:
-    return sysconfig.get_paths()["stdlib"]
+    return os.path.realpath(sysconfig.get_paths()["stdlib"])
 
 
 def _package_dirs() -> set[str]:
     paths = sysconfig.get_paths()
-    return {paths["purelib"], paths["platlib"]}
+    return {os.path.realpath(paths["purelib"]), os.path.realpath(paths["platlib"])}
 
 
 def _python_files() -> list[str]:
