@@ -291,19 +291,19 @@ class BackgroundPusher:
         self._pending: list[tuple[Future, Path, str]] = []
 
     def submit(self, folder: str | Path, revision: str) -> None:
-        self._pending.append((self._uploads.submit(self._push, Path(folder), revision), Path(folder), revision))
+        folder = Path(folder)
+        self._pending.append((self._uploads.submit(self._push, folder, revision), folder, revision))
 
     def abandon(self) -> None:
         """Give up the uploads not yet done (a stopped run), each with a warning that says how to push its folder
         later; one already under way may still finish if this process lives long enough."""
         for upload, folder, revision in self._pending:
             if not upload.done():
-                upload.cancel()
                 command = push_command(folder, self.repo_id, revision, self.private)
                 tqdm.write(f"warning: the push of {folder.name} to {self.repo_id} did not finish before the stop: "
                            f"push it later with `{command}`.", file=sys.stderr)
         self._pending.clear()
-        self._uploads.shutdown(wait=False, cancel_futures=True)
+        self._uploads.shutdown(wait=False, cancel_futures=True)  # the queued ones never start
 
     def finish(self) -> None:
         """Wait until every submitted folder is pushed (or has failed with a warning)."""

@@ -141,7 +141,7 @@ def load_data(
 
 def describe_data(data: PreparedData | ReadymadeData) -> str:
     stats = data.stats
-    line = f"data: {len(data.dataset):,} blocks of {len(data.dataset[0]['input_ids'])} tokens from {data.path}"
+    line = f"data: {len(data.dataset):,} blocks of {data.stats['seq_len']} tokens from {data.path}"
     if "documents_read" in stats:
         line += (
             f"; {stats['documents_kept']:,} of {stats['documents_read']:,} documents kept "
@@ -182,7 +182,7 @@ def main() -> None:
     if run.is_main_process:
         print(describe_data(data))
     config.vocab_size = len(data.tokenizer)
-    config.max_position_embeddings = len(data.dataset[0]["input_ids"])
+    config.max_position_embeddings = data.stats["seq_len"]  # not read off a block: a streamed set would fetch one
     if len(data.dataset) < training.micro_batch_size:
         raise UserError(
             f"the data has {len(data.dataset)} blocks, fewer than one micro-batch of "

@@ -35,7 +35,6 @@ def cpu_bf16_units(request, monkeypatch) -> bool:
     return request.param
 
 REPO = Path(__file__).resolve().parents[1]
-ACCELERATE = Path(sys.executable).with_name("accelerate")
 # Guards against a hung run, not speed limits: a loaded machine may take many times a quiet one's minute.
 HANG_GUARD = 1800
 

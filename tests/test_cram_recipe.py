@@ -14,6 +14,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from launching import ACCELERATE
 from safetensors.torch import load_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
@@ -30,7 +31,7 @@ from cram.train.ramp import full_accumulation, ramp_accumulation
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "cram.py"
-ACCELERATE = Path(sys.executable).with_name("accelerate")
+
 # A guard against a hung run, not a speed limit: a loaded machine may take many times a quiet one's minute.
 HANG_GUARD = 1800
 BUDGET_SECONDS = 15  # of the shared wall-clock run and of its resumed copy

@@ -13,7 +13,6 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,6 @@ from cram.train.runtime import configure_deepspeed, cpu_has_bf16_units
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "cram.py"
-ACCELERATE = Path(sys.executable).with_name("accelerate")
 RUN = DISTRIBUTED_RUN
 
 

@@ -9,16 +9,15 @@ import json
 import shlex
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from launching import accelerate_launch
+from launching import ACCELERATE, accelerate_launch
 
 from cram.plan.days import ramp_steps, saves_in_budget, training_seconds_in_budget
+from cram.plan.sweep import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-ACCELERATE = Path(sys.executable).with_name("accelerate")
 # Two processes, 8 sequences each per micro-step at most: the 2 GiB limit is not the binding one here.
 SWEEP = ["--model", "crammed-bert-tiny", "--memory-limit", "2GiB", "--global-batch-size", "16",
          "--candidates", "zero1,zero2-offload,fsdp-full", "--warmup-steps", "1", "--timed-steps", "4",
@@ -92,7 +91,8 @@ def test_the_emitted_config_pair_launches_the_recipe(swept, tmp_path, recipe_env
     command = shlex.split(winner["command"])
     assert command[:2] == ["accelerate", "launch"] and "recipes/cram.py" in command
     completed = subprocess.run(
-        [ACCELERATE, *command[1:], "--max-steps", "2", "--log-every", "1", "--output-dir", tmp_path / "run"],
+        [ACCELERATE, "launch", "--main_process_port", str(free_port()), *command[2:], "--max-steps", "2",
+         "--log-every", "1", "--output-dir", tmp_path / "run"],
         cwd=REPO, env=recipe_env, capture_output=True, text=True, timeout=600,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]

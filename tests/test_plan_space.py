@@ -121,6 +121,8 @@ def plan_recipe():
     (["--model", "pythia-1b", "--memory-limit", "1GiB"], {}, "not even micro-batch 1 of the leanest candidate"),
     (["--model", "crammed-bert-tiny", "--memory-limit", "lots"], {}, "cannot read the memory size"),
     (["--model", "crammed-bert-tiny", "--candidates", "zero1"], {}, "unknown or invalid candidate"),
+    (["--model", "pythia-14m", "--checkpoint-every-minutes", "-5"], {}, "cannot be negative"),
+    (["--model", "pythia-14m", "--num-workers", "-1"], {}, "cannot be negative"),
 ])
 def test_bad_input_is_refused_before_anything_runs(plan_recipe, monkeypatch, tmp_path, arguments, env, message):
     monkeypatch.setattr(sys, "argv", ["plan.py", *arguments, "--output-dir", str(tmp_path / "out")])

@@ -32,7 +32,6 @@ from cram.train.checkpoint import STATE_FILE
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "pythia.py"
-ACCELERATE = Path(sys.executable).with_name("accelerate")
 TOKEN = "hf_pythia_secret_0123456789"
 # 5 steps of 4 sequences × 32 tokens: Pythia's checkpoint steps 0, 1, 2 and 4 fall inside; fp32 for exact losses;
 # 1024 embedding rows for the test's 1000-token BPE (ZeRO-3 on busy CPUs crawls through 50304 rows).

@@ -19,7 +19,6 @@ import importlib.util
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -32,6 +31,8 @@ from transformers import BertConfig, BertForMaskedLM, GPTNeoXForCausalLM
 
 from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
 from cram.models.pythia import pythia_config
+from cram.plan.sweep import free_port
+from cram.plan.timing import synchronize
 from cram.train.runtime import COMPILE_CHOICES, resolve_compile, resolve_precision
 from cram.train.throughput import crammed_bert_flops_per_token, gpt_neox_flops_per_token, mfu, peak_flops
 
@@ -111,11 +112,6 @@ def timed_steps(step: Callable[[], None], warmup: int, steps: int, device: torch
     return statistics.median(seconds)
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -177,9 +173,7 @@ def zero1_step(model: torch.nn.Module, batch: dict, precision: str, device: torc
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
+        os.environ["MASTER_PORT"] = str(free_port())
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     config = {
         "train_micro_batch_size_per_gpu": batch["input_ids"].shape[0], "gradient_accumulation_steps": 1,

@@ -357,16 +357,18 @@ def write_report(evaluation: Evaluation, summary: dict, results: list[dict]) -> 
                                seed0)
     (output_dir / "glue.md").write_text(markdown)
     trainable = {result["task"]: result["trainable_parameters"] for result in results}
+    seed0_headline, seed0_average = headline(seed0)
+    hub_results = eval_results(summary)
     write_json(output_dir / "glue.json", {
         "model": options.model, "options": asdict(options), "seeds": seeds, "summary": summary,
-        "seed0": {"summary": seed0, "headline": headline(seed0)[0], "average": headline(seed0)[1]},
-        "eval_results": eval_results(summary), "trainable_parameters": trainable,
+        "seed0": {"summary": seed0, "headline": seed0_headline, "average": seed0_average},
+        "eval_results": hub_results, "trainable_parameters": trainable,
     })
     bar_chart(model_name, summary, output_dir / "glue.png")
     print(markdown)
     print(f"report: {output_dir / 'glue.md'}, {output_dir / 'glue.json'}, {output_dir / 'glue.png'}")
     checkpoint = Path(options.model)
     if evaluation.run.write_eval_results and checkpoint.is_dir():
-        write_json(checkpoint / "eval_results.json", eval_results(summary))
-        add_eval_results_to_card(checkpoint, eval_results(summary))  # the Hub shows the card's model-index
+        write_json(checkpoint / "eval_results.json", hub_results)
+        add_eval_results_to_card(checkpoint, hub_results)  # the Hub shows the card's model-index
         print(f"eval_results.json written beside the checkpoint: {checkpoint / 'eval_results.json'}")

@@ -137,10 +137,10 @@ def prune_reason(candidate: Candidate, shape: Shape, limit_bytes: float,
                  host_limit_bytes: float | None = None) -> str | None:
     """Why the candidate cannot fit even micro-batch 1 (beyond the model's margin) on the device, or at all in the
     node's host memory; None if it may fit."""
-    needed = predicted_bytes(candidate, shape, 1)
+    state, host = state_and_host_bytes(candidate, shape)  # once: DeepSpeed's estimators run inside
+    needed = state + activation_bytes(candidate, shape, 1)
     if needed > PRUNE_MARGIN * limit_bytes:
         return f"memory model: {needed / 2**30:.2f} GiB at micro-batch 1 > {limit_bytes / 2**30:.2f} GiB limit"
-    host = host_bytes(candidate, shape)
     if host_limit_bytes is not None and not shape.on_cpu and host > host_limit_bytes:
         return (f"host memory model: {host / 2**30:.1f} GiB of host memory on the node > "
                 f"{host_limit_bytes / 2**30:.1f} GiB host limit (--host-memory-limit)")
