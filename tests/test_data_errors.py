@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -52,21 +53,43 @@ def bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
     }
 
 
-@pytest.mark.parametrize(
-    "case",
-    ["missing path", "empty corpus", "not UTF-8", "vocab too small", "vocab below the minimum", "unknown option",
-     "Hub name offline"],
-)
-def test_bad_input_gives_one_sentence_exit_2_and_no_output(tmp_path, case):
-    arguments, expected = bad_inputs(tmp_path)[case]
-    output = tmp_path / "out"
-    result = run_recipe(*arguments, "--output-dir", str(output), offline=True)
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert lines[-1].startswith("error: ") and expected in lines[-1], result.stderr
-    assert "Traceback" not in result.stderr
+def run_in_process(monkeypatch, capsys, arguments: list[str]) -> tuple[object, str]:
+    """Run recipes/prepare_data.py's command line in this process; returns its exit status and stderr.
+
+    A fresh interpreter per case cost about 11 s of imports; the Hub case below keeps one to check the real exit.
+    """
+    monkeypatch.setattr(sys, "argv", [str(RECIPE), *arguments, "--progress", "false"])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the recipe drops its own folder from the import path
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_path(str(RECIPE), run_name="__main__")
+    return stopped.value.code, capsys.readouterr().err
+
+
+def check_refused(tmp_path: Path, output: Path, status: object, stderr: str, expected: str) -> None:
+    assert status == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and expected in lines[-1], stderr
+    assert "Traceback" not in stderr
     assert not output.exists()
     assert not list(tmp_path.glob(".out*"))
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["missing path", "empty corpus", "not UTF-8", "vocab too small", "vocab below the minimum", "unknown option"],
+)
+def test_bad_input_gives_one_sentence_exit_2_and_no_output(tmp_path, monkeypatch, capsys, case):
+    arguments, expected = bad_inputs(tmp_path)[case]
+    output = tmp_path / "out"
+    status, stderr = run_in_process(monkeypatch, capsys, [*arguments, "--output-dir", str(output)])
+    check_refused(tmp_path, output, status, stderr, expected)
+
+
+def test_a_hub_name_offline_gives_one_sentence_from_a_real_process(tmp_path):
+    arguments, expected = bad_inputs(tmp_path)["Hub name offline"]
+    output = tmp_path / "out"
+    result = run_recipe(*arguments, "--output-dir", str(output), offline=True)
+    check_refused(tmp_path, output, result.returncode, result.stderr, expected)
 
 
 def test_invalid_utf8_can_be_skipped_and_counted(tmp_path):
