@@ -37,6 +37,7 @@ from cram.models.pythia import (
     PythiaRecipe,
     build_pythia_model,
     check_size,
+    gpt_neox_largest_module_parameters,
     gpt_neox_parameters,
     pythia_checkpoint_steps,
     pythia_config,
@@ -156,7 +157,8 @@ def main() -> None:
             print(f"precision: {departure} (mixed precision {accelerator.mixed_precision})")
         if replaced:
             print(f"fp16 loss scaling as released, replacing the DeepSpeed JSON's {', '.join(replaced)}")
-    check_model_fits(gpt_neox_parameters(config), accelerator, implementation.device_memory_gib, training.size)
+    check_model_fits(gpt_neox_parameters(config), accelerator, implementation.device_memory_gib, training.size,
+                     largest_layer_parameters=gpt_neox_largest_module_parameters(config))
     set_seed(training.seed)
     enable_tf32()
 

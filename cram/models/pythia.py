@@ -234,6 +234,13 @@ def gpt_neox_parameters(config: GPTNeoXConfig) -> int:
     return config.num_hidden_layers * layer + 2 * hidden + embedding_parameters(config)
 
 
+def gpt_neox_largest_module_parameters(config: GPTNeoXConfig) -> int:
+    """The largest module's own parameters in `GPTNeoXForCausalLM(config)`: what ZeRO-3 gathers at once on each
+    GPU. For every Pythia size an embedding (vocab × hidden) outweighs the MLP's and the QKV projections."""
+    hidden, intermediate = config.hidden_size, config.intermediate_size
+    return max(config.vocab_size * hidden, hidden * intermediate + intermediate, 3 * hidden * hidden + 3 * hidden)
+
+
 def embedding_parameters(config: GPTNeoXConfig) -> int:
     """The input embedding and the (untied) output projection: what "non-embedding" counts leave out."""
     return 2 * config.vocab_size * config.hidden_size
