@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from cram.bench import train_step
 from cram.bench.train_step import original_crammed_bert, top_ops
 
 
@@ -25,3 +26,11 @@ def test_top_ops_lists_a_steps_most_expensive_operators_first():
 def test_original_needs_a_cramming_checkout(tmp_path):
     with pytest.raises(SystemExit, match="checkout of github.com/JonasGeiping/cramming"):
         original_crammed_bert(tmp_path, layers=1, hidden=64, heads=2, vocab=128, seq_len=16)
+
+
+@pytest.mark.parametrize("has_units", [True, False])
+def test_the_bench_times_bf16_on_the_cpu_only_where_it_has_bf16_units(monkeypatch, capsys, has_units):
+    monkeypatch.setattr(train_step, "cpu_has_bf16_units", lambda: has_units)
+    precisions = train_step.default_precisions(torch.device("cpu"))
+    assert precisions == (["fp32", "bf16"] if has_units else ["fp32"])
+    assert ("bf16 left out" in capsys.readouterr().out) is not has_units
