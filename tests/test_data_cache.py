@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from pathlib import Path
 
@@ -169,3 +170,31 @@ def test_the_embedded_corpus_is_keyed_by_the_installation_not_the_path_that_reac
     direct = corpus._environment_key()
     monkeypatch.setattr(corpus.sysconfig, "get_paths", lambda: linked)
     assert corpus._environment_key() == direct
+
+
+def test_processes_that_ask_for_the_embedded_corpus_at_once_build_it_once_and_see_one_file(tmp_path, monkeypatch):
+    # The ranks of a launch on a fresh machine all ask for it. Two builds replacing each other gave the ranks two
+    # modification times, so two data-set keys: the waiting rank polled for a set the other never made, forever.
+    from cram.data import corpus
+
+    builds = []
+
+    def slow_documents():
+        builds.append(threading.get_ident())
+        time.sleep(0.5)  # both askers arrive while the first builds
+        yield "A document of real English, long enough to be kept."
+
+    monkeypatch.setattr(corpus, "_documents", slow_documents)
+    seen = []
+
+    def ask() -> None:
+        path = corpus.embedded_corpus_path(tmp_path)
+        seen.append((path, path.stat().st_mtime_ns, path.stat().st_ino))
+
+    askers = [threading.Thread(target=ask) for _ in range(2)]
+    for asker in askers:
+        asker.start()
+    for asker in askers:
+        asker.join()
+    assert len(builds) == 1
+    assert len(seen) == 2 and seen[0] == seen[1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -32,6 +33,16 @@ def cache_key(resolved_options: dict, source_identities: list) -> str:
 def temporary_sibling(path: Path) -> Path:
     """A unique name beside `path` that never looks like the finished thing."""
     return path.with_name(f".{path.name}{TMP_MARKER}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the file `path` (created if missing) for the block: processes that build the
+    same thing at once, the ranks of one launch on a fresh machine say, then build it once and agree on it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as file:
+        fcntl.flock(file, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from importlib import metadata
 from multiprocessing import get_context
 from pathlib import Path
 
-from cram.data.cache import atomic_file, default_cache_dir
+from cram.data.cache import atomic_file, default_cache_dir, exclusive_lock
 
 # Enough text for a few minutes of tiny-model pretraining; more would only slow the first build.
 TARGET_CHARS = 12_000_000
@@ -32,10 +32,15 @@ def embedded_corpus_path(cache_dir: str | Path | None = None) -> Path:
     """Return the path of the embedded corpus (JSON lines, one {"text": ...} per document), building it once."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = root / "embedded" / f"corpus-{_environment_key()}.jsonl"
-    if not path.exists():
-        with atomic_file(path) as tmp_path, open(tmp_path, "w", encoding="utf-8") as out:
-            for text in _documents():
-                out.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+    if path.exists():
+        return path
+    # Built by one process while the others wait: a data set's cache key holds the corpus file's modification
+    # time, so two builds replacing each other would leave the ranks of one launch waiting for different sets.
+    with exclusive_lock(path.with_name(path.name + ".lock")):
+        if not path.exists():
+            with atomic_file(path) as tmp_path, open(tmp_path, "w", encoding="utf-8") as out:
+                for text in _documents():
+                    out.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
     return path
 
 
