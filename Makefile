@@ -25,13 +25,19 @@ demo: setup
 	$(BIN)/accelerate launch -q --config_file accel_configs/1gpu.yaml recipes/cram.py \
 		--preset tiny --budget 3m --output-dir runs/demo
 
+# Two pytest workers (pytest-xdist): run one after the other, the suite keeps about one of the two cores busy (it
+# waits on imports, launches and file writes). Each module runs whole on one worker, so its shared launches are
+# made once (tests/conftest.py); TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+
 test: setup
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 # The inner loop: no test that starts a recipe process of its own (the `launch` mark, tests/conftest.py) or is
 # marked `slow` (lm-eval's task registry, in-process compilation).
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not launch and not slow"
+	$(PYTEST) -m "not launch and not slow"
 
 lint: setup
 	$(BIN)/ruff check cram recipes tests

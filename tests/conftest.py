@@ -39,12 +39,31 @@ REPO = Path(__file__).resolve().parents[1]
 HANG_GUARD = 1800
 
 
+# Test modules that share a session fixture's launches, so `make test`'s workers (pytest-xdist, --dist loadgroup)
+# must run them on one worker: each worker has its own session, and would launch them again.
+SHARED_LAUNCHES = {"test_launch_paths": "test_distributed"}  # conftest.py: two_process_run
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark `launch` every test that starts a recipe in processes of its own (all of them get `recipe_env`, directly
-    or through a fixture), so `make test-fast` can leave them out."""
+    or through a fixture), so `make test-fast` can leave them out.
+
+    For `make test`'s workers: put each module in one xdist group (its module-scoped launches are made once), and
+    hand out the modules with the most launches first, so the long ones do not start last and leave the other
+    worker idle. The order is the same in every worker, as xdist requires."""
+    def group(item: pytest.Item) -> str:
+        module = item.module.__name__
+        return SHARED_LAUNCHES.get(module, module)
+
+    launches: dict[str, int] = {}
     for item in items:
-        if "recipe_env" in getattr(item, "fixturenames", ()):
+        item.add_marker(pytest.mark.xdist_group(group(item)))
+        launched = "recipe_env" in getattr(item, "fixturenames", ())
+        if launched:
             item.add_marker(pytest.mark.launch)
+        launches[group(item)] = launches.get(group(item), 0) + launched
+    items.sort(key=lambda item: -launches[group(item)])  # stable: a module's tests keep their order
 
 
 @pytest.fixture(scope="session")
