@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from launching import run_recipe_in_process
 
 from cram.data import DataOptions, prepare
 from cram.errors import UserError
@@ -54,15 +54,9 @@ def bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
 
 
 def run_in_process(monkeypatch, capsys, arguments: list[str]) -> tuple[object, str]:
-    """Run recipes/prepare_data.py's command line in this process; returns its exit status and stderr.
-
-    A fresh interpreter per case cost about 11 s of imports; the Hub case below keeps one to check the real exit.
-    """
-    monkeypatch.setattr(sys, "argv", [str(RECIPE), *arguments, "--progress", "false"])
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the recipe drops its own folder from the import path
-    with pytest.raises(SystemExit) as stopped:
-        runpy.run_path(str(RECIPE), run_name="__main__")
-    return stopped.value.code, capsys.readouterr().err
+    """Run recipes/prepare_data.py's command line in this process (the Hub case below keeps a fresh interpreter, to
+    check the real exit); returns its exit status and stderr."""
+    return run_recipe_in_process(monkeypatch, capsys, RECIPE, [*arguments, "--progress", "false"])
 
 
 def check_refused(tmp_path: Path, output: Path, status: object, stderr: str, expected: str) -> None:

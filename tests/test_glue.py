@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import runpy
 import shutil
 import statistics
 import subprocess
@@ -21,6 +20,7 @@ import pytest
 import torch
 from datasets import Dataset
 from glue_fixtures import write_glue_dir
+from launching import run_recipe_in_process
 from safetensors.torch import load_file
 from transformers import (
     AutoModelForSequenceClassification,
@@ -212,11 +212,8 @@ def test_lora_trains_only_adapter_and_head_and_the_adapter_reloads(crammed_check
 
 def run_in_process(monkeypatch, capsys, arguments: list) -> str:
     """Run recipes/glue.py's command line in this process (no training starts on bad input); returns stderr."""
-    monkeypatch.setattr(sys, "argv", [str(RECIPE), *map(str, arguments)])
-    with pytest.raises(SystemExit) as stopped:
-        runpy.run_path(str(RECIPE), run_name="__main__")
-    assert stopped.value.code == 2
-    stderr = capsys.readouterr().err
+    status, stderr = run_recipe_in_process(monkeypatch, capsys, RECIPE, arguments)
+    assert status == 2
     assert stderr.startswith("error: ") and len(stderr.strip().splitlines()) == 1
     return stderr
 
