@@ -52,5 +52,5 @@ def test_a_compiled_two_process_run_trains_through_inductors_code_and_saves_a_pl
 @pytest.mark.slow
 def test_an_eager_run_generates_no_code(two_process_run):
     # The contrast that gives the check above its meaning: the same cache stays free of generated code.
-    run = two_process_run("zero3-offload")
+    run = two_process_run("ddp-slowed-preparation")
     assert not [path for path in run.inductor_cache.rglob("*.py") if "def call(" in path.read_text()]
