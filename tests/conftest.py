@@ -39,31 +39,20 @@ REPO = Path(__file__).resolve().parents[1]
 HANG_GUARD = 1800
 
 
-# Test modules that share a session fixture's launches, so `make test`'s workers (pytest-xdist, --dist loadgroup)
-# must run them on one worker: each worker has its own session, and would launch them again.
-SHARED_LAUNCHES = {"test_launch_paths": "test_distributed"}  # conftest.py: two_process_run
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark `launch` every test that starts a recipe in processes of its own (all of them get `recipe_env`, directly
     or through a fixture), so `make test-fast` can leave them out.
 
-    For `make test`'s workers: put each module in one xdist group (its module-scoped launches are made once), and
-    hand out the modules with the most launches first, so the long ones do not start last and leave the other
-    worker idle. The order is the same in every worker, as xdist requires."""
-    def group(item: pytest.Item) -> str:
-        module = item.module.__name__
-        return SHARED_LAUNCHES.get(module, module)
-
+    For `make test`'s workers (pytest-xdist, `--dist loadfile`: a module runs whole on one worker, so its shared
+    launches are made once): hand out the modules with the most launches first, so the long ones do not start last
+    and leave the other worker idle. The order is the same in every worker, as xdist requires."""
     launches: dict[str, int] = {}
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(group(item)))
         launched = "recipe_env" in getattr(item, "fixturenames", ())
         if launched:
             item.add_marker(pytest.mark.launch)
-        launches[group(item)] = launches.get(group(item), 0) + launched
-    items.sort(key=lambda item: -launches[group(item)])  # stable: a module's tests keep their order
+        launches[item.module.__name__] = launches.get(item.module.__name__, 0) + launched
+    items.sort(key=lambda item: -launches[item.module.__name__])  # stable: a module's tests keep their order
 
 
 @pytest.fixture(scope="session")
@@ -115,8 +104,8 @@ class TwoProcessLaunch:
     slowed_preparation: bool = False
 
 
-# Each launch serves several checks: equality with one process (tests/test_distributed.py), and the launch path's
-# effects (tests/test_launch_paths.py): a collective timeout outlasted, inductor's code run under DDP and ZeRO-2.
+# Each launch serves several checks (tests/test_distributed.py): equality with one process, and the launch path's
+# effects: a collective timeout outlasted, inductor's code run under DDP and ZeRO-2.
 # ZeRO-3 with offload has no launch here: tests/test_distributed.py checks it on the run it stops by SIGTERM and
 # resumes. Nor has ZeRO-1: the Pythia recipe's ZeRO-1 launch (tests/test_pythia_recipe.py) checks it against one
 # process on the same engine, and DeepSpeed runs stages 1 and 2 through one optimizer (stage_1_and_2.py).

@@ -1,9 +1,12 @@
 """The same recipe command on 2 CPU processes, chosen only by the launch config: DDP and DeepSpeed ZeRO-2/3,
 with and without offload, eager and compiled, give the losses of single-process training of the same global batch
-(ZeRO-1: the Pythia recipe's launch, tests/test_pythia_recipe.py).
+(ZeRO-1: the Pythia recipe's launch, tests/test_pythia_recipe.py); ZeRO-3 with offload is checked on the run
+stopped by SIGTERM and resumed.
 
-The 2-process runs are shared with tests/test_launch_paths.py, which checks their launch paths' effects
-(conftest.py: `two_process_run`); ZeRO-3 with offload is checked on the run stopped by SIGTERM and resumed."""
+The same 2-process runs (conftest.py: `two_process_run`) are also checked for the launch paths that decide whether
+a GPU run survives, by their effects: data preparation longer than the collective timeout, and torch.compile under
+DDP and DeepSpeed ZeRO-2 (the path every GPU run takes by default). They share this module so that `make test`'s
+workers, which take a module each, launch them once."""
 
 from __future__ import annotations
 
@@ -22,7 +25,13 @@ import psutil
 import pytest
 import torch
 from accelerate.utils import DeepSpeedPlugin
-from conftest import DISTRIBUTED_RUN, HANG_GUARD, TWO_PROCESS_LAUNCHES
+from conftest import (
+    COLLECTIVE_TIMEOUT_MINUTES,
+    DISTRIBUTED_RUN,
+    HANG_GUARD,
+    PREPARATION_SECONDS,
+    TWO_PROCESS_LAUNCHES,
+)
 from launching import accelerate_launch
 from safetensors.torch import load_file
 from transformers import AutoModelForMaskedLM
@@ -242,3 +251,44 @@ def test_zero3_at_the_default_precision_trains_and_saves_a_plain_model(tmp_path,
     with torch.no_grad():
         logits = model(torch.tensor([[5, 6, 7, 8]])).logits
     assert torch.isfinite(logits).all()
+
+
+# The launch paths' effects, on the same runs.
+
+
+@pytest.mark.slow
+def test_data_preparation_longer_than_the_collective_timeout_does_not_end_the_run(two_process_run):
+    run = two_process_run("ddp-slowed-preparation")
+    assert run.seconds > PREPARATION_SECONDS > COLLECTIVE_TIMEOUT_MINUTES * 60
+    # The process group of each rank waits COLLECTIVE_TIMEOUT_MINUTES, not the 30-minute default that would also
+    # outlast the slowed preparation.
+    recorded = {path.name: json.loads(path.read_text()) for path in run.group_timeouts.iterdir()}
+    assert recorded == {f"rank-{rank}.json": {"timeout_seconds": COLLECTIVE_TIMEOUT_MINUTES * 60} for rank in (0, 1)}
+    summary = json.loads((run.output_dir / "summary.json").read_text())
+    assert [row["step"] for row in summary["history"]] == [1, 2, 3, 4]
+    assert [row["batch_size"] for row in summary["history"]] == [16, 32, 64, 64]  # the ramp varied the accumulation
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ddp-compiled", "zero2-compiled"])
+def test_a_compiled_two_process_run_trains_through_inductors_code_and_saves_a_plain_model(two_process_run, name):
+    run = two_process_run(name)
+    resolved = json.loads((run.output_dir / "final" / "cram_options.json").read_text())["resolved"]
+    assert resolved["compile"] is True and resolved["num_processes"] == 2
+    # Inductor writes the code it generates to its cache: the trace that the steps ran through a compiled model.
+    generated = [path for path in run.inductor_cache.rglob("*.py") if "def call(" in path.read_text()]
+    assert generated, "no code was compiled"
+    # The saved names are the model's own, so every weight loads (a compiled model's `_orig_mod.` names would leave
+    # from_pretrained initialising all of them afresh, silently).
+    saved = load_file(run.output_dir / "final" / "model.safetensors")
+    assert not [key for key in saved if key.startswith("_orig_mod")]
+    model, loading = AutoModelForMaskedLM.from_pretrained(run.output_dir / "final", output_loading_info=True)
+    assert not any(loading.values()), loading
+    torch.testing.assert_close(model.state_dict()["bert.final_norm.weight"], saved["bert.final_norm.weight"])
+
+
+@pytest.mark.slow
+def test_an_eager_run_generates_no_code(two_process_run):
+    # The contrast that gives the check above its meaning: the same cache stays free of generated code.
+    run = two_process_run("ddp-slowed-preparation")
+    assert not [path for path in run.inductor_cache.rglob("*.py") if "def call(" in path.read_text()]
