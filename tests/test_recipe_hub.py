@@ -67,8 +67,10 @@ def test_with_no_hub_reachable_the_local_checkpoint_is_complete_and_the_error_is
     assert "Traceback" not in completed.stderr
     assert {"model.safetensors", "config.json", "README.md", "cram_options.json"} <= {
         path.name for path in (tmp_path / "final").iterdir()}
-    warnings = [line for line in completed.stderr.splitlines() if line.startswith("warning: ")]
-    assert len(warnings) == 2 and all("could not reach the Hugging Face Hub" in line for line in warnings)
+    # Counted in the text, not by line starts: a push thread's warning that lands while the final model's shard bar
+    # is drawn comes after tqdm's cursor-up code, on its own line in a terminal but not at the start of a line here.
+    assert completed.stderr.count("warning: ") == completed.stderr.count(
+        "warning: could not reach the Hugging Face Hub") == 2, completed.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["optimizer_steps"] == 2
 
