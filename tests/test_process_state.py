@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from recipe_import import load_recipe
 
 import cram  # noqa: F401  (importing the package is what quiets bitsandbytes)
 from cram.data.megatron import tokenized_documents, write_megatron
 from cram.data.tokenizer import train_byte_level_bpe
-from cram.train.runtime import build_accelerator, shut_down
+from cram.errors import UserError
+from cram.train.runtime import build_accelerator, shut_down, use_cpu_cores
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,3 +68,31 @@ def test_importing_cram_quiets_bitsandbytes_cpu_kernel_notice():
     """On CPUs with AVX512-BF16, importing bitsandbytes (transformers' Trainer imports peft, which imports it) logs
     a warning about an optional 4-bit kernel; no cram path uses 4-bit, and a refused input must print one line."""
     assert not logging.getLogger("bitsandbytes.backends.cpu.ops").isEnabledFor(logging.WARNING)
+
+
+@pytest.fixture
+def torch_threads():
+    """Puts back this process's torch thread count after a test that sets it."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_training_processes_share_the_cores_unless_cram_cpu_threads_says_how_many(monkeypatch, torch_threads):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.delenv("CRAM_CPU_THREADS", raising=False)
+    use_cpu_cores()
+    assert torch.get_num_threads() == 4  # 8 cores, 2 processes on this machine
+    monkeypatch.setenv("CRAM_CPU_THREADS", "3")
+    use_cpu_cores()
+    assert torch.get_num_threads() == 3
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1", "1.5"])
+def test_a_bad_cram_cpu_threads_is_one_sentence_that_names_the_fix(monkeypatch, torch_threads, value):
+    monkeypatch.setenv("CRAM_CPU_THREADS", value)
+    with pytest.raises(UserError) as refused:
+        use_cpu_cores()
+    assert str(refused.value).startswith(f"CRAM_CPU_THREADS={value} is not a positive number of threads: set it")
+

@@ -219,8 +219,17 @@ def use_cpu_cores() -> None:
     """Share the cores this process may run on among the machine's training processes.
 
     `accelerate launch` sets OMP_NUM_THREADS=1 unless the launch config says `use_cpu`, so a GPU config that falls
-    back to the CPU (1gpu.yaml on a laptop) would train on one thread.
+    back to the CPU (1gpu.yaml on a laptop) would train on one thread. CRAM_CPU_THREADS=N sets the threads of each
+    process instead, for a machine that runs other jobs beside the training (the test suite's workers, say): there
+    a process that counts on every core spends its time waiting for threads that are not running.
     """
+    requested = os.environ.get("CRAM_CPU_THREADS", "")
+    if requested:
+        if not requested.isdigit() or int(requested) < 1:
+            raise UserError(f"CRAM_CPU_THREADS={requested} is not a positive number of threads: set it to one, e.g. 1, "
+                            "or unset it to share this machine's cores among the training processes.")
+        torch.set_num_threads(int(requested))
+        return
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_processes))
 
