@@ -18,7 +18,7 @@ import cram  # noqa: F401  (importing the package is what quiets bitsandbytes)
 from cram.data.megatron import tokenized_documents, write_megatron
 from cram.data.tokenizer import train_byte_level_bpe
 from cram.errors import UserError
-from cram.train.runtime import build_accelerator, shut_down, use_cpu_cores
+from cram.train.runtime import build_accelerator, shut_down, skip_deepspeed_shared_memory_op, use_cpu_cores
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -96,3 +96,11 @@ def test_a_bad_cram_cpu_threads_is_one_sentence_that_names_the_fix(monkeypatch, 
         use_cpu_cores()
     assert str(refused.value).startswith(f"CRAM_CPU_THREADS={value} is not a positive number of threads: set it")
 
+
+def test_deepspeed_on_the_cpu_neither_probes_for_nor_builds_its_shared_memory_all_reduce():
+    # The op only DeepSpeed's inference all-reduce calls: building it took two CPU-minutes of g++ on the first
+    # DeepSpeed launch of a 2-core machine. `build_shm_op` is what DeepSpeed's backend calls when it starts.
+    from deepspeed.comm.torch import build_shm_op
+
+    skip_deepspeed_shared_memory_op()
+    assert build_shm_op() is None

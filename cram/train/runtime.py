@@ -255,6 +255,7 @@ def build_accelerator(
     group = {"timeout": timedelta(minutes=collective_timeout_minutes)}
     if deepspeed and device_type == "cpu":
         group["backend"] = "gloo"
+        skip_deepspeed_shared_memory_op()
     compiled = resolve_compile(compile_choice, device_type)
     forget_earlier_accelerator()
     return Accelerator(
@@ -265,6 +266,22 @@ def build_accelerator(
         kwargs_handlers=[InitProcessGroupKwargs(**group)],
         dynamo_plugin=TorchDynamoPlugin(backend="inductor" if compiled else "no"),
     )
+
+
+def skip_deepspeed_shared_memory_op() -> None:
+    """Keep DeepSpeed on the CPU from probing for and building an op that training never calls.
+
+    When its communication backend starts on the CPU, DeepSpeed loads its shared-memory all-reduce
+    (deepspeed/comm/torch.py: `TorchBackend.__init__` calls `build_shm_op`), which only `inference_all_reduce` uses;
+    training reduces through torch.distributed over gloo. Loading it first probes every DeepSpeed op for
+    compatibility, with compiler subprocesses (deepspeed/ops/__init__.py: `__compatible_ops__`), then compiles the op:
+    about two CPU-minutes of g++ on a 2-core machine the first time. Marked incompatible, it is neither probed nor
+    built. An earlier DeepSpeed made the table at import; the entry is set the same way there.
+    """
+    import deepspeed.ops
+
+    table = vars(deepspeed.ops).setdefault("__compatible_ops__", {})
+    table["deepspeed_shm_comm"] = False  # deepspeed/ops/op_builder/cpu/comm.py: ShareMemCommBuilder.NAME
 
 
 def forget_earlier_accelerator() -> None:
