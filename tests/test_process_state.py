@@ -18,7 +18,13 @@ import cram  # noqa: F401  (importing the package is what quiets bitsandbytes)
 from cram.data.megatron import tokenized_documents, write_megatron
 from cram.data.tokenizer import train_byte_level_bpe
 from cram.errors import UserError
-from cram.train.runtime import build_accelerator, shut_down, skip_deepspeed_shared_memory_op, use_cpu_cores
+from cram.train.runtime import (
+    build_accelerator,
+    shut_down,
+    skip_deepspeed_shared_memory_op,
+    tell_deepspeed_the_local_processes,
+    use_cpu_cores,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -104,3 +110,14 @@ def test_deepspeed_on_the_cpu_neither_probes_for_nor_builds_its_shared_memory_al
 
     skip_deepspeed_shared_memory_op()
     assert build_shm_op() is None
+
+
+def test_deepspeed_on_the_cpu_counts_this_machines_processes_as_its_devices(monkeypatch):
+    # What DeepSpeed's own launcher exports; without it DeepSpeed asks `numactl`, which 0.14.4 required.
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.setenv("LOCAL_SIZE", "")  # recorded, so that the test's own value goes again afterwards
+    monkeypatch.delenv("LOCAL_SIZE")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    tell_deepspeed_the_local_processes()
+    assert get_accelerator().device_count() == 2

@@ -256,6 +256,7 @@ def build_accelerator(
     if deepspeed and device_type == "cpu":
         group["backend"] = "gloo"
         skip_deepspeed_shared_memory_op()
+        tell_deepspeed_the_local_processes()
     compiled = resolve_compile(compile_choice, device_type)
     forget_earlier_accelerator()
     return Accelerator(
@@ -282,6 +283,18 @@ def skip_deepspeed_shared_memory_op() -> None:
 
     table = vars(deepspeed.ops).setdefault("__compatible_ops__", {})
     table["deepspeed_shm_comm"] = False  # deepspeed/ops/op_builder/cpu/comm.py: ShareMemCommBuilder.NAME
+
+
+def tell_deepspeed_the_local_processes() -> None:
+    """Give DeepSpeed's CPU accelerator the count of this machine's processes, which its own launcher exports.
+
+    On the CPU, DeepSpeed's `device_count()` is LOCAL_SIZE (deepspeed/launcher/launch.py sets it to the local
+    processes), else the NUMA nodes `numactl --hardware` lists (deepspeed/accelerator/cpu_accelerator.py). Under
+    `accelerate launch` LOCAL_SIZE is unset, so ZeRO-3's gradient reduction (stage3.py: `local_world_size =
+    get_accelerator().device_count()`) ran `numactl`: DeepSpeed 0.14.4 failed where it is not installed, and later
+    releases count one device for two processes.
+    """
+    os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def forget_earlier_accelerator() -> None:
