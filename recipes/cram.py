@@ -49,6 +49,11 @@ DATA_DEFAULTS = {"crammed-bert": READYMADE, "small": "embedded", "tiny": "embedd
 # leaves --min-steps optimizer steps at the measured speed (`cram.train.ramp.BudgetRamp`).
 BATCH_DEFAULTS = {"crammed-bert": (8192, 128), "small": (1024, 64), "tiny": (256, 32)}
 BUDGET_FOLLOWING_PRESETS = ("small", "tiny")
+# On the CPU those two take micro-batches of 16 under a wall-clock budget: a step there costs about its sequences,
+# so a smaller micro-batch gives the ramp more, smaller steps to choose from for little speed. Measured on a 2-core
+# CPU, one optimizer step per micro-batch, per sequence: small at 16 ran at 0.78x its speed at 64, tiny at 16 at
+# 0.89x its speed at 32; a one-minute budget held 13-18 steps of small's 64 (README: make bench-quality).
+CPU_BUDGET_MICRO_BATCH = 16
 
 
 @dataclass
@@ -67,7 +72,8 @@ class TrainingOptions:
         None, "sequences per optimizer step once ramped up; unset means 8192 for crammed-bert, and for small and tiny "
               "the largest batch (up to 1024 and 256) that leaves --min-steps steps in the budget")
     micro_batch_size: int | None = option(
-        None, "sequences per forward pass per process; unset means the preset's (128 for crammed-bert)")
+        None, "sequences per forward pass per process; unset means the preset's (128 for crammed-bert, 64 for small, "
+              "32 for tiny), or 16 for small and tiny on the CPU when their ramp follows the budget")
     ramp_end: float = option(RAMP_END, "budget fraction at which the batch reaches its target size")
     min_steps: int = option(
         300, "small and tiny presets under a wall-clock budget: the ramp's target is the largest batch that still "
@@ -109,12 +115,17 @@ def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
     if training.optimizer not in ("adamw", "adamw-8bit"):
         raise UserError(f"unknown optimizer {training.optimizer!r}: choose adamw or adamw-8bit.")
     check_run_options(implementation)
-    target, micro = BATCH_DEFAULTS[training.preset]
     if training.target_batch_size is None and not follows_budget(training):
-        training.target_batch_size = target
-    if training.micro_batch_size is None:
-        training.micro_batch_size = micro
+        training.target_batch_size = BATCH_DEFAULTS[training.preset][0]
     return training, implementation
+
+
+def default_micro_batch(training: TrainingOptions, device_type: str) -> int:
+    """The preset's micro-batch, or CPU_BUDGET_MICRO_BATCH where the ramp follows a budget on the CPU."""
+    micro = BATCH_DEFAULTS[training.preset][1]
+    if device_type == "cpu" and follows_budget(training):
+        return min(micro, CPU_BUDGET_MICRO_BATCH)
+    return micro
 
 
 def follows_budget(training: TrainingOptions) -> bool:
@@ -165,6 +176,8 @@ def main() -> None:
     budget_seconds = parse_budget(training.budget)
     run = RecipeRun("cram", implementation)
     accelerator = run.accelerator
+    if training.micro_batch_size is None:
+        training.micro_batch_size = default_micro_batch(training, run.device_type)
     largest_target = training.target_batch_size or BATCH_DEFAULTS[training.preset][0]
     sequences_per_micro_batch = training.micro_batch_size * accelerator.num_processes
     # The largest target must be whole micro-batches on every process; a budget-following ramp aims at most there.

@@ -219,6 +219,25 @@ def test_the_presets_ramp_target_follows_a_wall_clock_budget_and_the_papers_mode
     assert recipe.TrainingOptions().min_steps == 300
 
 
+def test_on_the_cpu_a_budget_following_preset_takes_micro_batches_of_16(monkeypatch):
+    # More, smaller steps for a short budget on the CPU, where a step costs about its sequences; a GPU, a step
+    # budget, a set target or a set micro-batch keep what they had.
+    recipe = load_recipe(REPO / "recipes" / "cram.py", "cram_recipe_micro")
+    for arguments, device_type, micro in [
+        (["--preset", "small", "--budget", "1m"], "cpu", 16),
+        (["--preset", "tiny", "--budget", "1m"], "cpu", 16),
+        (["--preset", "small", "--budget", "1m"], "cuda", 64),
+        (["--preset", "tiny", "--budget", "1m"], "cuda", 32),
+        (["--preset", "small", "--max-steps", "20"], "cpu", 64),
+        (["--preset", "small", "--budget", "1m", "--target-batch-size", "512"], "cpu", 64),
+        (["--budget", "1m"], "cpu", 128),
+    ]:
+        monkeypatch.setattr(sys, "argv", ["cram.py", *arguments])
+        training, _ = recipe.parse_options()
+        assert training.micro_batch_size is None  # resolved once the device is known
+        assert recipe.default_micro_batch(training, device_type) == micro, (arguments, device_type)
+
+
 def test_the_pace_leaves_out_the_sessions_first_step_once_others_are_timed():
     pace = MicroBatchPace()
     assert pace.seconds_per_micro_batch is None
