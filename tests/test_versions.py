@@ -58,14 +58,18 @@ def test_the_installed_metadata_is_what_the_check_reads(installed_cram):
         check_installed_versions(uses_deepspeed=False, installed=old_torch)
 
 
-def test_accelerate_before_1_8_is_refused_only_with_deepspeed_and_says_why(installed_cram):
-    versions = dict(torch="2.13.0", transformers="5.23.0", accelerate="1.7.0", datasets="5.2.0", deepspeed="0.19.8")
+def test_accelerate_before_1_9_and_deepspeed_before_0_16_are_refused_only_with_deepspeed_and_say_why(installed_cram):
+    versions = dict(torch="2.13.0", transformers="5.23.0", accelerate="1.8.1", datasets="5.2.0", deepspeed="0.19.8")
     check_installed_versions(uses_deepspeed=False, installed=installed_versions(**versions))
     with pytest.raises(UserError) as refused:
         check_installed_versions(uses_deepspeed=True, installed=installed_versions(**versions))
-    assert str(refused.value).startswith("accelerate 1.7.0 is installed but cram[deepspeed] needs accelerate>=1.8: "
-                                         "before accelerate 1.8 its DeepSpeed wrapper ignores `sync_gradients`")
-    check_installed_versions(uses_deepspeed=True, installed=installed_versions(**{**versions, "accelerate": "1.8.0"}))
+    assert str(refused.value).startswith("accelerate 1.8.1 is installed but cram[deepspeed] needs accelerate>=1.9: "
+                                         "before accelerate 1.9 it enters DeepSpeed's `no_sync`")
+    old_deepspeed = {**versions, "accelerate": "1.9.0", "deepspeed": "0.15.4"}
+    with pytest.raises(UserError, match=r"^deepspeed 0\.15\.4 is installed but cram\[deepspeed\] needs "
+                                        r"deepspeed>=0\.16\.0: before DeepSpeed 0\.16\.0 its checkpoints do not load"):
+        check_installed_versions(uses_deepspeed=True, installed=installed_versions(**old_deepspeed))
+    check_installed_versions(uses_deepspeed=True, installed=installed_versions(**{**versions, "accelerate": "1.9.0"}))
 
 
 def test_a_deepspeed_launch_without_deepspeed_names_the_extra(installed_cram):

@@ -48,8 +48,13 @@ NEWEST_TESTED = {
 # older package, and names the reason.
 EXTRA_FLOOR_REASONS = {
     ("deepspeed", "accelerate"): (
-        "before accelerate 1.8 its DeepSpeed wrapper ignores `sync_gradients`, so every micro-batch of an "
-        "accumulation would become an optimizer step on a down-scaled loss"
+        "before accelerate 1.9 it enters DeepSpeed's `no_sync` under ZeRO-2 and ZeRO-3, which DeepSpeed 0.16 and "
+        "later refuse, and before 1.8 its DeepSpeed wrapper ignored `sync_gradients`, so every micro-batch of an "
+        "accumulation became an optimizer step on a down-scaled loss"
+    ),
+    ("deepspeed", "deepspeed"): (
+        "before DeepSpeed 0.16.0 its checkpoints do not load under torch 2.6's `weights_only` default, so a ZeRO "
+        "run could not resume"
     ),
 }
 _warned_untested: set[str] = set()
