@@ -78,14 +78,15 @@ def progress_window(history: list[dict], index: int, budget: float = BUDGET_SECO
 @pytest.mark.slow
 def test_batch_ramps_up_and_learning_rate_follows_the_budget(crammed_run):
     # Each logged step's batch and lr must be the schedule's values at a p its log times allow.
-    # The tiny preset's target follows the budget (at most 256) and each step is held to what the rest of the
-    # budget fits, so the ramp bounds a step's batch from above only.
+    # The tiny preset's target follows the budget (at most 256), on micro-batches of 16 on the CPU, and each step
+    # is held to what the rest of the budget fits, so the ramp bounds a step's batch from above only.
     history = json.loads((crammed_run / "summary.json").read_text())["history"]
-    assert history[0]["batch_size"] == 32 and history[0]["lr"] == pytest.approx(1e-3 * 0.25, rel=0.05)
-    full = full_accumulation(256, 32)
+    micro = 16
+    assert history[0]["batch_size"] == micro and history[0]["lr"] == pytest.approx(1e-3 * 0.25, rel=0.05)
+    full = full_accumulation(256, micro)
     for index, row in enumerate(history):
         low, high = progress_window(history, index)
-        assert 32 <= row["batch_size"] <= 32 * ramp_accumulation(high, full)
+        assert micro <= row["batch_size"] <= micro * ramp_accumulation(high, full)
         possible = [1e-3 * budget_triangle(low + (high - low) * tick / 1000) for tick in range(1001)]
         assert min(possible) * (1 - 1e-6) <= row["lr"] <= max(possible) * (1 + 1e-6), row["step"]
 
