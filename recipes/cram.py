@@ -50,9 +50,10 @@ DATA_DEFAULTS = {"crammed-bert": READYMADE, "small": "embedded", "tiny": "embedd
 BATCH_DEFAULTS = {"crammed-bert": (8192, 128), "small": (1024, 64), "tiny": (256, 32)}
 BUDGET_FOLLOWING_PRESETS = ("small", "tiny")
 # On the CPU those two take micro-batches of 16 under a wall-clock budget: a step there costs about its sequences,
-# so a smaller micro-batch gives the ramp more, smaller steps to choose from for little speed. Measured on a 2-core
-# CPU, one optimizer step per micro-batch, per sequence: small at 16 ran at 0.78x its speed at 64, tiny at 16 at
-# 0.89x its speed at 32; a one-minute budget held 13-18 steps of small's 64 (README: make bench-quality).
+# so a smaller micro-batch gives the ramp more, smaller steps to choose from at little or no cost in speed.
+# `python -m cram.bench.micro_batch` on the quiet 2-core CPU, one update per micro-batch, per sequence: small at 16
+# ran at 1.31x its speed at 64, tiny at 16 at 1.22x its speed at 32 (under another job's load: 0.78x and 0.89x).
+# A one-minute budget had held 13-18 steps of small's 64 (README: make bench-quality).
 CPU_BUDGET_MICRO_BATCH = 16
 
 
