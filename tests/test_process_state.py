@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launching import run_recipe_in_process
 from recipe_import import load_recipe
 
 import cram  # noqa: F401  (importing the package is what quiets bitsandbytes)
@@ -101,6 +102,19 @@ def test_a_bad_cram_cpu_threads_is_one_sentence_that_names_the_fix(monkeypatch, 
     with pytest.raises(UserError) as refused:
         use_cpu_cores()
     assert str(refused.value).startswith(f"CRAM_CPU_THREADS={value} is not a positive number of threads: set it")
+
+
+def test_the_recipe_refuses_a_bad_cram_cpu_threads_with_exit_2_before_writing_anything(
+    monkeypatch, capsys, torch_threads, tmp_path
+):
+    monkeypatch.setenv("CRAM_CPU_THREADS", "two")
+    status, stderr = run_recipe_in_process(monkeypatch, capsys, REPO / "recipes" / "cram.py", [
+        "--preset", "tiny", "--max-steps", "1", "--output-dir", tmp_path / "run"])
+    assert status == 2
+    assert stderr.strip().splitlines() == [
+        "error: CRAM_CPU_THREADS=two is not a positive number of threads: set it to one, e.g. 1, or unset it to "
+        "share this machine's cores among the training processes."]
+    assert not (tmp_path / "run").exists()
 
 
 def test_deepspeed_on_the_cpu_neither_probes_for_nor_builds_its_shared_memory_all_reduce():

@@ -38,13 +38,15 @@ def seconds_per_sequence(preset: str, sizes: list[int], rounds: int, vocab_size:
         optimizer.step()
         optimizer.zero_grad()
 
-    for size in sizes:
-        step(size), step(size)
+    for size in sizes:  # warm-up
+        for _ in range(2):
+            step(size)
     timings: dict[int, list[float]] = {size: [] for size in sizes}
     for _ in range(rounds):
         for size in sizes:
             started = time.perf_counter()
-            step(size), step(size)
+            for _ in range(2):
+                step(size)
             timings[size].append((time.perf_counter() - started) / (2 * size))
     return {size: statistics.median(values) for size, values in timings.items()}
 
