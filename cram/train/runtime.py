@@ -39,7 +39,7 @@ Result = TypeVar("Result")
 # ran the floors job's subset (.ci/floors); a run with them gets one warning saying so.
 NEWEST_TESTED = {
     "torch": "2.13",
-    "transformers": "5.23",
+    "transformers": "5.24",
     "accelerate": "1.15",
     "datasets": "5.2",
     "deepspeed": "0.19.8",
