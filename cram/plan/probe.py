@@ -144,6 +144,9 @@ def probe_once(run: CandidateRun, gauge: MemoryGauge, micro_batch: int, limit_by
     """One optimizer step at `micro_batch` (accumulation 1: the optimizer state is allocated, as in any step)."""
     gauge.reset()
     note_progress(run.request, run.accelerator, {"trying": micro_batch})
+    # No process probes before rank 0 has written that line: one that failed at once (an OOM while building) would
+    # otherwise end the launch before it, and the parent would take the crash for the candidate's, not this size's.
+    run.accelerator.wait_for_everyone()
     out_of_memory = False
     try:
         run.steps(micro_batch, 1, TimingClock(1, run.accelerator.device))
