@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -9,7 +10,14 @@ import sys
 import pytest
 
 from cram.errors import UserError, run_cli
-from cram.train.checkpoint import STATE_FILE, Checkpointer, check_same_run, complete_checkpoints, find_checkpoint
+from cram.train.checkpoint import (
+    STATE_FILE,
+    Checkpointer,
+    TiedCopiesNotWarned,
+    check_same_run,
+    complete_checkpoints,
+    find_checkpoint,
+)
 from cram.train.preemption import Preemption
 from cram.train.state import TrainState
 
@@ -116,3 +124,39 @@ def test_after_ctrl_c_a_stopped_run_exits_through_system_exit_and_gives_the_hand
     with pytest.raises(SystemExit) as exited:
         preemption.leave()
     assert exited.value.code == 130 and signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_training_state_save_of_a_tied_model_warns_of_no_shared_tensor_and_loads_back_tied(tmp_path, caplog):
+    import torch
+    from accelerate import Accelerator
+
+    from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
+    from cram.train.checkpoint import load_checkpoint
+
+    config = CrammedBertConfig.from_preset("tiny", vocab_size=64, max_position_embeddings=8, hidden_size=16,
+                                           num_hidden_layers=1, intermediate_size=32)
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(CrammedBertForMaskedLM(config))
+    with caplog.at_level(logging.WARNING):
+        saved = Checkpointer(accelerator, tmp_path / "checkpoints", run={}).save(TrainState(optimizer_steps=1))
+    assert "shared tensor" not in caplog.text
+    assert logging.getLogger("accelerate.utils.other").filters == []  # only while saving
+
+    with torch.no_grad():
+        model.bert.embeddings.word_embeddings.weight.zero_()
+    load_checkpoint(accelerator, saved)
+    assert model.decoder.weight is model.bert.embeddings.word_embeddings.weight
+    assert model.decoder.weight.abs().sum() > 0
+
+
+def test_only_the_tied_copies_are_kept_from_the_shared_tensor_warning():
+    quiet = TiedCopiesNotWarned({"decoder.weight"})
+
+    def passes(message: str) -> bool:
+        return quiet.filter(logging.LogRecord("accelerate.utils.other", logging.WARNING, "", 0, message, None, None))
+
+    assert not passes("[RANK 0] Removed shared tensor {'decoder.weight'} while saving. This should be OK, but ...")
+    assert not passes("Removed shared tensor {'_orig_mod.module.decoder.weight'} while saving.")
+    assert passes("Removed shared tensor {'decoder.weight', 'head.bias'} while saving.")
+    assert passes("Removed shared tensor {'encoder.weight'} while saving.")
+    assert passes("some other warning")

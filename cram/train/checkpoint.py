@@ -6,13 +6,16 @@ previous checkpoint usable and nothing half-written that looks finished.
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import dataclasses
 import json
+import logging
 import re
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -80,6 +83,48 @@ def export_model(
     return save_checkpoint(unwrapped, tokenizer, options, directory, state_dict=state_dict)
 
 
+class TiedCopiesNotWarned(logging.Filter):
+    """Drops Accelerate's warning at every training-state save, "Removed shared tensor {'decoder.weight'} while
+    saving", when the removed names are only the model's tied copies: safetensors stores a tied weight once, and
+    loading the state back into the model keeps the tie. Any other shared tensor still warns."""
+
+    _WARNING = re.compile(r"Removed shared tensor (\{.*?\}) while saving")
+    _WRAPPERS = re.compile(r"^(?:(?:module|_orig_mod)\.)+")  # DDP's and torch.compile's prefixes
+
+    def __init__(self, tied_names: set[str]):
+        super().__init__()
+        self.tied_names = tied_names
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        found = self._WARNING.search(record.getMessage())
+        if found is None:
+            return True
+        try:
+            removed = ast.literal_eval(found.group(1))
+        except (ValueError, SyntaxError):
+            return True
+        return not {self._WRAPPERS.sub("", str(name)) for name in removed} <= self.tied_names
+
+
+def tied_copy_names(accelerator: Accelerator) -> set[str]:
+    """The state-dict names of the prepared models' tied copies (`decoder.weight` for the crammed BERT)."""
+    names: set[str] = set()
+    for model in accelerator._models:
+        names.update(getattr(accelerator.unwrap_model(model), "_tied_weights_keys", None) or ())
+    return names
+
+
+@contextlib.contextmanager
+def tied_copies_not_warned(accelerator: Accelerator) -> Iterator[None]:
+    logger = logging.getLogger("accelerate.utils.other")
+    quiet = TiedCopiesNotWarned(tied_copy_names(accelerator))
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
 class Checkpointer:
     """Periodic training-state checkpoints in `directory/step-NNNNNNNN`, the newest `keep` of them kept.
 
@@ -120,7 +165,8 @@ class Checkpointer:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
         self.accelerator.wait_for_everyone()
-        self.accelerator.save_state(staging, safe_serialization=True)
+        with tied_copies_not_warned(self.accelerator):
+            self.accelerator.save_state(staging, safe_serialization=True)
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             record = {"state": dataclasses.asdict(state), "run": self.run}
