@@ -5,6 +5,7 @@ fp16 loss scaling, checkpoints."""
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -179,7 +180,9 @@ def test_the_planner_builds_the_released_init():
 ZERO3_BUILD = textwrap.dedent("""
     import os, sys, torch, deepspeed
     from transformers.integrations import HfDeepSpeedConfig
+    from cram.train.runtime import skip_deepspeed_shared_memory_op
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    skip_deepspeed_shared_memory_op()  # as the recipes' DeepSpeed launches on the CPU do
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     deepspeed.init_distributed("gloo")
     zero3 = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
@@ -205,9 +208,12 @@ def test_the_init_holds_under_zero3_zero_init(tmp_path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    extensions = tmp_path / "torch-extensions"  # where DeepSpeed would build an op
     completed = subprocess.run([sys.executable, "-c", ZERO3_BUILD, str(port), str(tmp_path / "weights.pt")],
-                               capture_output=True, text=True, timeout=900)
+                               capture_output=True, text=True, timeout=900,
+                               env={**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions)})
     assert completed.returncode == 0, completed.stderr[-3000:]
+    assert not list(extensions.glob("**/*shm*")), sorted(extensions.rglob("*"))  # nothing built: no g++ minutes
     weights = torch.load(tmp_path / "weights.pt")
     model = GPTNeoXForCausalLM(pythia_config("pythia-14m"))
     model.load_state_dict(weights, strict=False)
