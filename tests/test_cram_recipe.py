@@ -218,6 +218,20 @@ def test_bad_input_gets_one_sentence_and_exit_2_before_anything_is_written(
     assert not output_dir.exists()
 
 
+def test_an_output_dir_that_is_a_file_is_refused_before_training(tmp_path, recipe_module, monkeypatch, capsys):
+    # Found only when the final model was written, it cost the whole run and its model.
+    output_file = tmp_path / "a-file"
+    output_file.write_text("notes\n")
+    monkeypatch.setattr(sys, "argv", ["cram.py", "--preset", "tiny", "--max-steps", "1", "--output-dir",
+                                      str(output_file)])
+    with pytest.raises(SystemExit) as exited:
+        run_cli(recipe_module.main)
+    stderr = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert stderr == f"error: --output-dir {output_file} is a file: name a folder (it is made if missing).\n"
+    assert output_file.read_text() == "notes\n" and sorted(tmp_path.iterdir()) == [output_file]
+
+
 def test_data_smaller_than_one_micro_batch_is_refused(tmp_path, recipe_module, monkeypatch, capsys, few_blocks):
     output_dir = tmp_path / "run"
     monkeypatch.setattr(sys, "argv", ["cram.py", "--preset", "tiny", "--max-steps", "1", "--data", str(few_blocks),

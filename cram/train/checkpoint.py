@@ -244,8 +244,7 @@ def check_same_run(saved: dict, current: dict, path: str | Path) -> None:
     if differences:
         raise UserError(
             f"cannot resume from {path}, which was written by a different run ({'; '.join(differences)}): "
-            "resume with the same model, data and training options, or start afresh with --resume none "
-            "or another --output-dir."
+            "resume with the same model, data and training options, or start a new run in another --output-dir."
         )
 
 

@@ -90,6 +90,10 @@ def default_num_workers(device_type: str) -> int:
 
 def check_run_options(options: RunOptions) -> None:
     """Refuse run options a user got wrong, before anything starts."""
+    output_dir = Path(options.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        # Found only when the final model is written, this would cost the whole run.
+        raise UserError(f"--output-dir {output_dir} is a file: name a folder (it is made if missing).")
     if options.report_to not in TRACKERS:
         raise UserError(f"unknown tracker {options.report_to!r}: choose one of {', '.join(TRACKERS)}.")
     if options.report_to != "none":
