@@ -21,6 +21,7 @@ sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Pa
 
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from tqdm.auto import tqdm
 from transformers import HfArgumentParser
 
 from cram.cli import option, parse_strictly
@@ -236,7 +237,7 @@ def main() -> None:
     elif run.is_main_process:
         batches = report_passes_once_timed(batches, blocks=len(data.dataset),
                                            sequences_per_batch=sequences_per_micro_step,
-                                           budget_seconds=budget_seconds, report=print)
+                                           budget_seconds=budget_seconds, report=tqdm.write)  # above the bar
     run.start_trackers(training, {
         "budget_seconds": budget_seconds,
         "max_steps": training.max_steps,
