@@ -21,7 +21,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -c $(VENV)/keep-torch.txt -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
+# Each demo replaces the last one's folder (a recipe refuses to start afresh over a finished model).
 demo: setup
+	rm -rf runs/demo
 	$(BIN)/accelerate launch -q --config_file accel_configs/1gpu.yaml recipes/cram.py \
 		--preset tiny --budget 3m --output-dir runs/demo
 
@@ -118,6 +120,7 @@ pythia-smoke: setup
 	$(BIN)/python -m cram.data.megatron embedded --output runs/pythia-smoke/data/document --vocab-size 1000 \
 		--max-documents 400
 	for stage in zero1 zero3; do \
+		rm -rf runs/pythia-smoke/$$stage; \
 		echo "$(BIN)/accelerate launch -q --config_file accel_configs/cpu-$$stage.yaml recipes/pythia.py --size pythia-14m --data runs/pythia-smoke/data/document --tokenizer runs/pythia-smoke/data/tokenizer --max-steps 4 --seq-len 64 --global-batch-size 8 --micro-batch-size 2 --log-every 1 --output-dir runs/pythia-smoke/$$stage"; \
 		$(BIN)/accelerate launch -q --config_file accel_configs/cpu-$$stage.yaml recipes/pythia.py --size pythia-14m \
 			--data runs/pythia-smoke/data/document --tokenizer runs/pythia-smoke/data/tokenizer --max-steps 4 \

@@ -232,6 +232,22 @@ def test_an_output_dir_that_is_a_file_is_refused_before_training(tmp_path, recip
     assert output_file.read_text() == "notes\n" and sorted(tmp_path.iterdir()) == [output_file]
 
 
+def test_a_fresh_run_over_a_finished_model_is_refused(tmp_path, recipe_module, monkeypatch, capsys):
+    # A run shorter than the checkpoint interval saves no training state, so only final/ says a run finished here.
+    final = tmp_path / "run" / "final"
+    final.mkdir(parents=True)
+    (final / "model.safetensors").write_bytes(b"trained")
+    monkeypatch.setattr(sys, "argv", ["cram.py", "--preset", "tiny", "--max-steps", "1", "--output-dir",
+                                      str(tmp_path / "run")])
+    with pytest.raises(SystemExit) as exited:
+        run_cli(recipe_module.main)
+    stderr = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert stderr == (f"error: {tmp_path / 'run'} already holds a finished model (final/): start a new run in another "
+                      "--output-dir, or delete that folder first.\n")
+    assert (final / "model.safetensors").read_bytes() == b"trained" and sorted((tmp_path / "run").iterdir()) == [final]
+
+
 def test_data_smaller_than_one_micro_batch_is_refused(tmp_path, recipe_module, monkeypatch, capsys, few_blocks):
     output_dir = tmp_path / "run"
     monkeypatch.setattr(sys, "argv", ["cram.py", "--preset", "tiny", "--max-steps", "1", "--data", str(few_blocks),

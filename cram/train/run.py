@@ -154,6 +154,12 @@ class RecipeRun:
                 f"{self.output_dir} already holds checkpoints of a run: continue it with --resume auto, "
                 "or start a new run in another --output-dir."
             )
+        if options.resume == "none" and (self.output_dir / "final").exists():
+            # A short run saves no training state, so the rule above would let it replace a finished model.
+            raise UserError(
+                f"{self.output_dir} already holds a finished model (final/): start a new run in another --output-dir, "
+                "or delete that folder first."
+            )
         self.facts: dict = {}
         self.resolved: dict = {}
         self.parameters = self.parameters_held = 0
