@@ -33,13 +33,7 @@ from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
 from cram.models.pythia import pythia_config
 from cram.plan.sweep import free_port
 from cram.plan.timing import synchronize
-from cram.train.runtime import (
-    COMPILE_CHOICES,
-    resolve_compile,
-    resolve_precision,
-    skip_deepspeed_shared_memory_op,
-    tell_deepspeed_the_local_processes,
-)
+from cram.train.runtime import COMPILE_CHOICES, prepare_deepspeed_on_the_cpu, resolve_compile, resolve_precision
 from cram.train.throughput import crammed_bert_flops_per_token, gpt_neox_flops_per_token, mfu, peak_flops
 
 TOY_VOCAB = 512
@@ -174,9 +168,8 @@ def zero1_step(model: torch.nn.Module, batch: dict, precision: str, device: torc
     """The same model's step through a one-process DeepSpeed engine under ZeRO stage 1 (gloo on the CPU)."""
     import deepspeed
 
-    if device.type == "cpu":  # as a recipe's DeepSpeed launch on the CPU does (cram.train.runtime.build_accelerator)
-        skip_deepspeed_shared_memory_op()
-        tell_deepspeed_the_local_processes()
+    if device.type == "cpu":
+        prepare_deepspeed_on_the_cpu()
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")

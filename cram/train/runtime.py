@@ -260,8 +260,7 @@ def build_accelerator(
     group = {"timeout": timedelta(minutes=collective_timeout_minutes)}
     if deepspeed and device_type == "cpu":
         group["backend"] = "gloo"
-        skip_deepspeed_shared_memory_op()
-        tell_deepspeed_the_local_processes()
+        prepare_deepspeed_on_the_cpu()
     compiled = resolve_compile(compile_choice, device_type)
     forget_earlier_accelerator()
     return Accelerator(
@@ -272,6 +271,12 @@ def build_accelerator(
         kwargs_handlers=[InitProcessGroupKwargs(**group)],
         dynamo_plugin=TorchDynamoPlugin(backend="inductor" if compiled else "no"),
     )
+
+
+def prepare_deepspeed_on_the_cpu() -> None:
+    """What DeepSpeed on the CPU needs before it starts, in a recipe's launch or any other caller's."""
+    skip_deepspeed_shared_memory_op()
+    tell_deepspeed_the_local_processes()
 
 
 def skip_deepspeed_shared_memory_op() -> None:
