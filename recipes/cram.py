@@ -166,9 +166,9 @@ def describe_data(data: PreparedData | ReadymadeData) -> str:
     return line
 
 
-LOAD_HINT = """    import cram  # registers the crammed-BERT classes with transformers
-    from transformers import AutoModelForMaskedLM, AutoTokenizer
-    model = AutoModelForMaskedLM.from_pretrained({checkpoint!r})
+# trust_remote_code runs the modelling file saved beside the weights, so the lines work where cram is not installed.
+LOAD_HINT = """    from transformers import AutoModelForMaskedLM, AutoTokenizer
+    model = AutoModelForMaskedLM.from_pretrained({checkpoint!r}, trust_remote_code=True)
     tokenizer = AutoTokenizer.from_pretrained({checkpoint!r})"""
 
 

@@ -1,20 +1,25 @@
 """recipes/cram.py on the paper's data: pile-readymade is the crammed-bert default (without a network it stops in
-one sentence naming --data), a local copy trains, and every run says how many passes over its data the budget takes."""
+one sentence naming --data), a local copy with the authors' tokenizer trains and its checkpoint fine-tunes on GLUE,
+and every run says how many passes over its data the budget takes."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from glue_fixtures import write_glue_dir
 from readymade_standin import write_readymade_standin
 from recipe_import import load_recipe
+from transformers import AutoTokenizer
 
 from cram.data.passes import describe_passes, passes_by_steps, report_passes_once_timed
 from cram.errors import run_cli
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "cram.py"
+GLUE_RECIPE = RECIPE.with_name("glue.py")
 
 
 def test_passes_by_steps_follow_the_batch_ramp():
@@ -59,8 +64,10 @@ def test_crammed_bert_without_data_or_network_stops_in_one_sentence(tmp_path, mo
 
 
 @pytest.mark.slow
-def test_a_local_copy_of_the_readymade_set_trains_and_reports_its_passes(tmp_path, recipe_env, english_texts):
-    data = write_readymade_standin(tmp_path / "readymade", english_texts[:50], (20, 12), 16)
+def test_a_local_copy_of_the_readymade_set_trains_reports_its_passes_and_fine_tunes(tmp_path, recipe_env,
+                                                                                   english_texts):
+    # The stand-in carries the authors' tokenizer (<mask>, <cls>, <sep> at set-drawn ids), as the upload does.
+    data = write_readymade_standin(tmp_path / "readymade", english_texts[:50], (20, 12), 16, order_seed=2)
     output_dir = tmp_path / "run"
     command = [sys.executable, RECIPE, "--preset", "tiny", "--max-steps", "5", "--data", data,
                "--micro-batch-size", "4", "--target-batch-size", "8", "--output-dir", output_dir]
@@ -68,4 +75,18 @@ def test_a_local_copy_of_the_readymade_set_trains_and_reports_its_passes(tmp_pat
     assert completed.returncode == 0, completed.stderr[-3000:]
     # 5 steps ramping from 4 to 8 sequences read 32 blocks or more, so at least one pass over the 32 blocks.
     assert "passes over the 32 blocks" in completed.stdout, completed.stdout[-2000:]
-    assert (output_dir / "final" / "model.safetensors").is_file()
+    final = output_dir / "final"
+    assert (final / "model.safetensors").is_file()
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    assert (tokenizer.mask_token, tokenizer.mask_token_id, tokenizer.cls_token_id) == ("<mask>", 6, 4)
+    # GLUE on the checkpoint (16 positions): a single-sentence task (CoLA) and a pair task (RTE), a step each.
+    glue_dir = write_glue_dir(tmp_path / "glue", train=8, dev=8)
+    command = [sys.executable, GLUE_RECIPE, "--model", final, "--glue-dir", glue_dir, "--tasks", "cola,rte",
+               "--seeds", "1", "--epochs", "1", "--batch-size", "8", "--precision", "fp32", "--max-length", "16",
+               "--output-dir", tmp_path / "glue-out"]
+    completed = subprocess.run([str(part) for part in command], env=recipe_env, capture_output=True, text=True,
+                               timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    for task in ("cola", "rte"):
+        result = json.loads((tmp_path / "glue-out" / "results" / f"{task}-seed0.json").read_text())
+        assert result["optimizer_steps"] == 1 and len(result["predictions"][task]) == 8

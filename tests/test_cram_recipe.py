@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from types import ModuleType
 
@@ -18,7 +20,7 @@ from launching import ACCELERATE
 from safetensors.torch import load_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import AutoModelForMaskedLM, AutoTokenizer
+from transformers import AutoModelForMaskedLM, AutoModelForSequenceClassification, AutoTokenizer
 
 import cram  # noqa: F401 - registers the Auto classes
 from cram.data import DataOptions, load_prepared, prepare
@@ -50,6 +52,7 @@ def crammed_run(tmp_path_factory, recipe_env) -> Path:
     completed = subprocess.run(command, env=recipe_env, capture_output=True, text=True, timeout=HANG_GUARD)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert f"checkpoint: {output_dir / 'final'}" in completed.stdout
+    (output_dir.parent / "stdout.txt").write_text(completed.stdout)  # beside the run, which resumed copies take whole
     return output_dir
 
 
@@ -106,6 +109,61 @@ def test_the_checkpoint_is_a_plain_hugging_face_model(crammed_run):
     assert logits.shape == (1, encoded["input_ids"].shape[1], len(tokenizer))
     # Pretrained without dropout, and saved that way (fine-tuning turns it back on).
     assert model.config.hidden_dropout_prob == 0.0 and model.config.attention_probs_dropout_prob == 0.0
+
+
+# Run where cram cannot be imported (as on a machine without it): the run's printed "load it with" lines, then the
+# fill-mask pipeline on the loaded model and a saved classifier, each writing its logits for the test to compare.
+WITHOUT_CRAM = """
+import sys
+sys.modules["cram"] = None  # any import of cram, or of a module under it, now fails
+import json, torch
+from transformers import AutoModelForSequenceClassification, pipeline
+exec(open(sys.argv[1]).read())  # the load lines the run printed: they bind model and tokenizer
+text = sys.argv[2].replace("<mask>", tokenizer.mask_token)
+fill = pipeline("fill-mask", model=model, tokenizer=tokenizer, top_k=5)
+json.dump([[guess["token"], guess["score"]] for guess in fill(text)], open(sys.argv[4] + "/fill.json", "w"))
+with torch.no_grad():
+    torch.save(model(**tokenizer(text, return_tensors="pt")).logits, sys.argv[4] + "/mlm.pt")
+    classifier = AutoModelForSequenceClassification.from_pretrained(sys.argv[3], trust_remote_code=True).eval()
+    torch.save(classifier(**tokenizer(text, "a second text", return_tensors="pt")).logits, sys.argv[4] + "/cls.pt")
+assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+"""
+
+
+@pytest.mark.slow
+def test_the_checkpoint_loads_and_serves_where_cram_is_not_installed(crammed_run, tmp_path):
+    final = crammed_run / "final"
+    printed = (crammed_run.parent / "stdout.txt").read_text().split("load it with:\n", 1)[1]
+    assert "import cram" not in printed
+    (tmp_path / "load.py").write_text(textwrap.dedent(printed))
+    # A sequence classifier saved from the checkpoint, as a fine-tuned GLUE model would be.
+    torch.manual_seed(0)
+    classifier = AutoModelForSequenceClassification.from_pretrained(final, num_labels=3).eval()
+    classifier.save_pretrained(tmp_path / "classifier")
+    assert (final / "crammed_bert.py").is_file() and (tmp_path / "classifier" / "crammed_bert.py").is_file()
+    text = "the function returns a <mask> of values"
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    env["HF_MODULES_CACHE"] = str(tmp_path / "modules")  # where transformers copies the remote code it runs
+    completed = subprocess.run(
+        [sys.executable, "-c", WITHOUT_CRAM, tmp_path / "load.py", text, tmp_path / "classifier", tmp_path],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+
+    model = AutoModelForMaskedLM.from_pretrained(final).eval()
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    encoded = tokenizer(text.replace("<mask>", tokenizer.mask_token), return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**encoded).logits
+        classified = classifier(**tokenizer(text.replace("<mask>", tokenizer.mask_token), "a second text",
+                                            return_tensors="pt")).logits
+    torch.testing.assert_close(torch.load(tmp_path / "mlm.pt"), logits)
+    torch.testing.assert_close(torch.load(tmp_path / "cls.pt"), classified)
+    at_mask = logits[0, encoded["input_ids"][0].tolist().index(tokenizer.mask_token_id)].softmax(-1)
+    top = at_mask.topk(5)
+    filled = json.loads((tmp_path / "fill.json").read_text())
+    assert [token for token, _ in filled] == top.indices.tolist()
+    assert [score for _, score in filled] == pytest.approx(top.values.tolist(), rel=1e-4)
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """The crammed-BERT model: exact size, sparse prediction, and life as a plain Hugging Face model."""
 
+import os
 import subprocess
 import sys
 
@@ -71,7 +72,9 @@ def test_positions_are_scaled_sinusoids_with_one_learned_scale():
 
 
 SAVED_LOGITS_SCRIPT = """
-import sys, torch
+import sys
+sys.modules["cram"] = None  # as on a machine without cram: any import of it fails
+import torch
 from transformers import AutoModelForMaskedLM
 model = AutoModelForMaskedLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
 torch.save(model(torch.load(sys.argv[2])).logits, sys.argv[3])
@@ -85,11 +88,14 @@ def test_save_then_load_in_a_fresh_process_gives_identical_logits(tmp_path):
     assert (tmp_path / "model" / "model.safetensors").exists()
     input_ids = torch.randint(5, 512, (2, 64))
     torch.save(input_ids, tmp_path / "inputs.pt")
-    # A fresh interpreter that never imports cram: the checkpoint carries its modeling code (auto_map).
-    subprocess.run(
+    # A fresh interpreter where cram cannot be imported: the checkpoint carries its modeling code (auto_map).
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
+    completed = subprocess.run(
         [sys.executable, "-c", SAVED_LOGITS_SCRIPT, tmp_path / "model", tmp_path / "inputs.pt", tmp_path / "out.pt"],
-        check=True, cwd=tmp_path,
+        cwd=tmp_path, env=env, capture_output=True, text=True,
     )
+    assert completed.returncode == 0, completed.stderr[-3000:]
     with torch.no_grad():
         expected = model(input_ids).logits
     assert torch.equal(torch.load(tmp_path / "out.pt"), expected)

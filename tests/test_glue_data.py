@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import math
 import shutil
+from types import SimpleNamespace
 
 import datasets
 import numpy as np
 import pytest
 from glue_fixtures import HUB_COLUMNS, glue_rows, hub_split, write_glue_dir, write_hub_copy
+from readymade_standin import authors_tokenizer
+from tokenizers import processors
 
+from cram.data.tokenizer import train_wordpiece
 from cram.errors import UserError
-from cram.eval.glue_data import TASKS, load_task, parse_tasks, read_tsv
+from cram.eval.glue import tokenized
+from cram.eval.glue_data import TASKS, check_classification_token_first, load_task, parse_tasks, read_tsv
 from cram.eval.glue_report import PUBLISHED, eval_results, headline, markdown_report, summarize, task_metrics
 
 
@@ -32,6 +37,44 @@ def test_every_task_reads_its_real_file_format(glue_dir):
         is_pair = task.tsv_columns[1] is not None
         assert all((text_b is not None) == is_pair for text_b in data.train["text_b"])
     assert list(load_task(TASKS["mnli"], str(glue_dir)).dev) == ["mnli_matched", "mnli_mismatched"]
+
+
+@pytest.fixture(scope="module", params=["ours", "authors-order-0", "authors-order-1"])
+def tokenizer(request, english_texts):
+    """This project's WordPiece ([CLS] at 2) and the authors' (<cls> at a set-drawn id, no <cls> in `$A <sep>`)."""
+    texts = english_texts[:100]
+    if request.param == "ours":
+        return train_wordpiece(iter(texts), 1000, True, 128)
+    return authors_tokenizer(texts, 1000, 128, order_seed=int(request.param[-1]))
+
+
+def test_every_encoded_glue_example_starts_with_the_classification_token(glue_dir, tokenizer):
+    evaluation = SimpleNamespace(tokenizer=tokenizer, options=SimpleNamespace(max_length=128))
+    for task in TASKS.values():
+        data = load_task(task, str(glue_dir))
+        for name, dataset in {"train": data.train, **data.dev}.items():
+            encoded = tokenized(evaluation, dataset)["input_ids"]  # as fine-tuning and prediction encode them
+            assert [ids[0] for ids in encoded] == [tokenizer.cls_token_id] * len(dataset), (task.name, name)
+    check_classification_token_first(tokenizer, "model")
+
+
+def test_a_single_sentence_is_framed_as_the_original_frames_it(glue_dir, english_texts):
+    # cramming's preprocess_function: (sentence, "") through the pair template, so <cls> A <sep> <sep>.
+    tokenizer = authors_tokenizer(english_texts[:100], 1000, 128, order_seed=0)
+    evaluation = SimpleNamespace(tokenizer=tokenizer, options=SimpleNamespace(max_length=128))
+    sst2 = load_task(TASKS["sst2"], str(glue_dir)).train.select(range(1))
+    words = tokenizer(sst2["text_a"][0], add_special_tokens=False)["input_ids"]
+    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+    assert tokenized(evaluation, sst2)["input_ids"][0] == [cls, *words, sep, sep]
+
+
+def test_a_tokenizer_without_the_classification_token_first_is_refused(english_texts):
+    tokenizer = authors_tokenizer(english_texts[:100], 1000, 128, order_seed=0)
+    sep = tokenizer.sep_token_id
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A <sep>", pair="$A <sep> $B <sep>", special_tokens=[("<sep>", sep)])
+    with pytest.raises(UserError, match="does not put a classification token first"):
+        check_classification_token_first(tokenizer, "model")
 
 
 def rows_of(dataset) -> list[tuple]:

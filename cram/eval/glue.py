@@ -33,7 +33,14 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICA
 import cram  # noqa: F401 - registers the crammed-BERT Auto classes
 from cram.cli import option
 from cram.errors import UserError
-from cram.eval.glue_data import GlueTask, TaskData, load_task, parse_tasks
+from cram.eval.glue_data import (
+    GlueTask,
+    TaskData,
+    check_classification_token_first,
+    encode_texts,
+    load_task,
+    parse_tasks,
+)
 from cram.eval.glue_report import (
     bar_chart,
     eval_results,
@@ -143,6 +150,8 @@ def prepare_evaluation(options: GlueOptions, run: GlueRunOptions) -> Evaluation:
         )
     config = load_config(options.model)
     tokenizer = load_tokenizer(options.model, config)
+    if config.model_type == "crammed_bert":
+        check_classification_token_first(tokenizer, options.model)
     device_type = launch_device_type()
     data = [load_task(task, options.glue_dir) for task in tasks]
     check_cache_owner(options, Path(run.output_dir))
@@ -243,8 +252,7 @@ def tokenized(evaluation: Evaluation, dataset):
     options, tokenizer = evaluation.options, evaluation.tokenizer
 
     def encode(batch: dict) -> dict:
-        pairs = (batch["text_a"],) if batch["text_b"][0] is None else (batch["text_a"], batch["text_b"])
-        return tokenizer(*pairs, truncation=True, max_length=options.max_length)
+        return encode_texts(tokenizer, batch["text_a"], batch["text_b"], options.max_length)
 
     return dataset.map(encode, batched=True, remove_columns=["text_a", "text_b"])
 

@@ -1,7 +1,8 @@
 """The GLUE tasks: what each one is, and its data from the Hugging Face Hub or from the original GLUE download.
 
 Every task comes out as `datasets.Dataset`s with the columns `text_a`, `text_b` (None for single sentences) and
-`label` (an int class, or a float score for STS-B): one for training and one per dev set (MNLI has two).
+`label` (an int class, or a float score for STS-B): one for training and one per dev set (MNLI has two);
+`encode_texts` turns those columns into the model's input ids.
 
 The local layout is the one `download_glue_data.py` made: DIR/CoLA/train.tsv, DIR/CoLA/dev.tsv, …,
 DIR/MNLI/dev_matched.tsv and dev_mismatched.tsv. The files are read as they ship: CoLA without a header row,
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 from cram.errors import UserError
 
@@ -191,3 +193,28 @@ def load_from_hub(task: GlueTask) -> dict[str, datasets.Dataset]:
             features=features(task),
         )
     return sets
+
+
+def encode_texts(tokenizer: PreTrainedTokenizerBase, text_a: list[str], text_b: list[str | None],
+                 max_length: int) -> BatchEncoding:
+    """A batch of examples as input ids, always through the tokenizer's pair template: a single sentence (CoLA,
+    SST-2) goes as a pair with an empty second text, as the original does (cramming/data/
+    downstream_task_preparation.py: preprocess_function, "fake 2nd option all of the time"). The authors' tokenizer
+    frames a single text as `$A <sep>`, with no <cls>, and only its pair template puts <cls> at position 0, where
+    the classification head pools; BERT-style tokenizers put it there either way.
+
+    Called on a batch: transformers reads an empty second text of a single, unbatched call as no second text.
+    """
+    second = ["" if text is None else text for text in text_b]
+    return tokenizer(text_a, second, truncation=True, max_length=max_length)
+
+
+def check_classification_token_first(tokenizer: PreTrainedTokenizerBase, model: str) -> None:
+    """Refuse a tokenizer whose encoding of a GLUE example does not start with its classification token, which
+    crammed BERT's head pools (position 0), before any fine-tuning."""
+    first = encode_texts(tokenizer, ["a sentence", "a premise"], [None, "a hypothesis"], 16)["input_ids"]
+    if tokenizer.cls_token_id is None or any(ids[0] != tokenizer.cls_token_id for ids in first):
+        raise UserError(
+            f"the tokenizer of {model} does not put a classification token first in a sentence pair, where "
+            "crammed BERT's head pools: save a tokenizer with a cls_token and a pair template that starts with it."
+        )

@@ -7,6 +7,9 @@ prediction (the decoder and the loss run only on the masked positions).
 Importing this module registers the classes with `AutoConfig`, `AutoModel`, `AutoModelForMaskedLM` and
 `AutoModelForSequenceClassification`; `save_pretrained` also records them in `config.json` (`auto_map`) so a
 checkpoint loads with `trust_remote_code=True` even where `cram` is not installed.
+
+This file is copied beside every checkpoint and pushed to the Hub as the model's remote code, so it imports only
+torch and transformers: a `cram` import here would fail on every machine without cram.
 """
 
 from __future__ import annotations
@@ -27,8 +30,6 @@ from transformers import (
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput, SequenceClassifierOutput
-
-from cram.devices import cpu_has_bf16_units
 
 IGNORE_INDEX = -100
 
@@ -153,6 +154,17 @@ def attention_path_for(device_type: str, low_precision: bool) -> str:
     if device_type == "cpu" and low_precision and CPU_HAS_BF16_UNITS:
         return "plain"
     return "sdpa"
+
+
+def cpu_has_bf16_units() -> bool:
+    """Native bf16 matrix units on this CPU (AMX or AVX512-BF16); elsewhere torch emulates bf16, slowly."""
+    return _torch_cpu_flag("_is_amx_tile_supported") or _torch_cpu_flag("_is_avx512_bf16_supported")
+
+
+def _torch_cpu_flag(name: str) -> bool:
+    """A private `torch.cpu` feature probe, False where this torch release lacks it (they are not public API)."""
+    probe = getattr(torch.cpu, name, None)
+    return bool(probe()) if callable(probe) else False
 
 
 # Read once at import: the forward pass consults it on every call.
