@@ -66,11 +66,19 @@ def revisions_disk_line(steps: Sequence[int], parameters: int, dtype: torch.dtyp
     free = shutil.disk_usage(existing).free
     shown = ", ".join(map(str, steps[:6])) + (f" … {steps[-1]}" if len(steps) > 6 else "")
     line = (f"revisions: the model at {len(steps)} steps ({shown}), {parameters:,} weights in "
-            f"{str(dtype).removeprefix('torch.')} = {each / 2**30:.2f} GiB each, {total / 2**30:.2f} GiB in all in "
-            f"{directory} ({free / 2**30:.0f} GiB free there); --revision-steps keeps fewer")
+            f"{str(dtype).removeprefix('torch.')} = {size_text(each)} each, {size_text(total)} in all in "
+            f"{directory} ({size_text(free)} free there); --revision-steps keeps fewer")
     if total > free:
         line += "\nwarning: the revisions will not fit in the free space: give --revision-steps fewer steps or none."
     return line
+
+
+def size_text(count: int) -> str:
+    """Bytes in the largest binary unit that keeps them at least 1 (GiB, MiB, KiB)."""
+    for scale, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} bytes"
 
 
 def saved_revisions(directory: Path) -> set[int]:
