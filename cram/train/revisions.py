@@ -23,7 +23,6 @@ from cram.train.checkpoint import export_model
 from cram.train.state import TrainState
 
 REVISIONS_FOLDER = "revisions"
-WEIGHTS_FILE = "model.safetensors"
 
 
 def revision_name(step: int) -> str:
@@ -65,7 +64,8 @@ def revisions_disk_line(steps: Sequence[int], parameters: int, dtype: torch.dtyp
     existing = next((parent for parent in (directory, *directory.parents) if parent.exists()), Path("."))
     free = shutil.disk_usage(existing).free
     shown = ", ".join(map(str, steps[:6])) + (f" … {steps[-1]}" if len(steps) > 6 else "")
-    line = (f"revisions: the model at {len(steps)} steps ({shown}), {parameters:,} weights in "
+    line = (f"revisions: the model at {len(steps)} step{'s' if len(steps) > 1 else ''} ({shown}), "
+            f"{parameters:,} weights in "
             f"{str(dtype).removeprefix('torch.')} = {size_text(each)} each, {size_text(total)} in all in "
             f"{directory} ({size_text(free)} free there); --revision-steps keeps fewer")
     if total > free:
@@ -81,25 +81,18 @@ def size_text(count: int) -> str:
     return f"{count} bytes"
 
 
-def saved_revisions(directory: Path) -> set[int]:
-    """The steps whose revision is complete in `directory` (a revision is renamed into place once written)."""
-    if not directory.is_dir():
-        return set()
-    return {int(child.name[4:]) for child in directory.iterdir()
-            if child.name.startswith("step") and child.name[4:].isdigit() and (child / WEIGHTS_FILE).is_file()}
-
-
 class RevisionSaver:
     """Exports the model at each of `steps` to `directory/stepN`, and hands each to `publish` (e.g. a Hub push).
 
-    Every process must call `save`: under ZeRO-3 or FSDP, gathering the full weights is a collective. A step whose
-    revision is already on disk (a resumed run) is not written again.
+    Every process must call `save`: under ZeRO-3 or FSDP, gathering the full weights is a collective. A run resumed
+    at step k wrote the revisions up to k before its state (`ScheduledCheckpointer.save`), so it writes only later
+    ones; every process knows that from k alone, without reading the disk, which it may not share.
     """
 
     def __init__(
         self, accelerator: Accelerator, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
         options: Callable[[], dict], directory: Path, steps: Sequence[int],
-        publish: Callable[[TrainState, Path, str], None] | None = None,
+        publish: Callable[[TrainState, Path, str], None] | None = None, resumed_at: int | None = None,
     ):
         self.accelerator = accelerator
         self.model = model
@@ -108,7 +101,7 @@ class RevisionSaver:
         self.directory = directory
         self.steps = frozenset(steps)
         self.publish = publish
-        self.saved = saved_revisions(directory)
+        self.saved = {step for step in self.steps if resumed_at is not None and step <= resumed_at}
 
     def due(self, state: TrainState) -> bool:
         return state.optimizer_steps in self.steps and state.optimizer_steps not in self.saved

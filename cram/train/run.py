@@ -258,6 +258,7 @@ class RecipeRun:
             revisions = RevisionSaver(
                 self.accelerator, model, tokenizer, lambda: self.resolved, self.output_dir / REVISIONS_FOLDER,
                 revisions_at, publish=self.push_revision(card) if options.push_checkpoints else None,
+                resumed_at=state.optimizer_steps if self.resume_from else None,
             )
             if self.is_main_process:
                 dtype = next(self.accelerator.unwrap_model(model).parameters()).dtype
