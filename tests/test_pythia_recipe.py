@@ -294,7 +294,7 @@ def test_the_replication_check_fails_a_wrong_run_at_its_first_step_out(
     prefix, _ = megatron_data
     status, result = replication(wrong_run, "--reference", run, "--data", prefix, "--output", tmp_path / "wrong")
     assert status == 1 and not result["passed"] and result["first_failed_step"] == 2
-    assert [row["passed"] for row in result["rows"]] == [True, True, False, False, False]
+    assert [row["passed"] for row in result["rows"][:3]] == [True, True, False]  # the same init until step 2
     assert result["verdict"].startswith("FAIL at step 2: our loss ")
     assert "FAIL at step 2" in (tmp_path / "wrong" / "replication.md").read_text()
     # The other way round: the DeepSpeed run's states judged against the wrong run as the reference.
