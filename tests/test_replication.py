@@ -3,6 +3,8 @@ FSDP training states merged by Accelerate's own tool, the bounds and the verdict
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -95,6 +97,15 @@ def test_a_runs_steps_come_from_revisions_states_and_its_final_model(tmp_path, t
     revisions = Revisions(str(run))
     assert {step: kind for step, (kind, _) in revisions.found().items()} == {0: "revision", 6: "state", 7: "revision"}
     assert_same_weights(revisions.load(6).state_dict(), tiny_model)
+
+
+def test_a_revision_loads_in_the_precision_it_was_saved_in(tmp_path, tiny_model):
+    """The released models are saved in float16 (config.json torch_dtype): read as saved, not upcast or halved."""
+    halved = copy.deepcopy(tiny_model).half()
+    halved.save_pretrained(tmp_path / "seed1" / "step0")
+    model = Revisions(str(tmp_path / "seed1")).load(0)
+    assert model.dtype == torch.float16
+    assert_same_weights(model.state_dict(), halved)
 
 
 def test_bounds_widen_several_references_by_the_margin_and_one_by_the_tolerance():

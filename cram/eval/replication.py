@@ -268,8 +268,9 @@ def compare(
     device: torch.device = CPU, dtype: torch.dtype = torch.float32, micro_batch_size: int = 8,
 ) -> dict:
     ours = Revisions(str(run.folder))
+    # The data must reach the batch of the last step compared, one past the run's for its final model.
     source = load_causal_data(data, run.seq_len, run.vocab_size, tokenizer or run.tokenizer, None,
-                              run.max_steps * run.global_batch_size)
+                              max(run.max_steps, max(steps) + 1) * run.global_batch_size)
     count = sequences or run.global_batch_size
     rows, init = [], None
     for step in steps:
