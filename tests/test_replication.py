@@ -109,8 +109,8 @@ def test_a_revision_loads_in_the_precision_it_was_saved_in(tmp_path, tiny_model)
 
 
 def test_bounds_widen_several_references_by_the_margin_and_one_by_the_tolerance():
-    assert judge(3.0, [2.9, 3.1, 3.05], 0.05, 0.2) == pytest.approx((2.85, 3.15))
-    assert judge(3.0, [2.9], 0.05, 0.2) == pytest.approx((2.7, 3.1))
+    assert judge([2.9, 3.1, 3.05], 0.05, 0.2) == pytest.approx((2.85, 3.15))
+    assert judge([2.9], 0.05, 0.2) == pytest.approx((2.7, 3.1))
     assert (DEFAULT_MARGIN, DEFAULT_TOLERANCE) == (0.05, 0.1)
 
 

@@ -255,7 +255,7 @@ def init_stds(model: PreTrainedModel) -> dict[str, float]:
     return {kind: torch.cat(values).std().item() for kind, values in groups.items()}
 
 
-def judge(ours: float, references: list[float], margin: float, tolerance: float) -> tuple[float, float]:
+def judge(references: list[float], margin: float, tolerance: float) -> tuple[float, float]:
     """The bounds our loss must lie within: the references' min … max widened by `margin`, or a single reference
     ± `tolerance`."""
     widen = margin if len(references) > 1 else tolerance
@@ -286,7 +286,7 @@ def compare(
             if step == 0 and not reference_models:
                 reference_models.append(model)
             del model
-        row["low"], row["high"] = judge(row["ours"], row["references"], margin, tolerance)
+        row["low"], row["high"] = judge(row["references"], margin, tolerance)
         row["passed"] = row["low"] <= row["ours"] <= row["high"]
         rows.append(row)
         if step == 0:
