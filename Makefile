@@ -128,13 +128,18 @@ pythia-smoke: setup
 			--output-dir runs/pythia-smoke/$$stage || exit $$?; \
 	done
 
-# A finished run against the released model, step by step (cram/eval/replication.py), e.g.
-# `make pythia-replicate RUN=runs/pythia-160m-4xa100 REFERENCE=EleutherAI/pythia-160m DATA=pile/document`.
+# A run against the released models, step by step, with a verdict (cram/eval/replication.py): exit status 1 names
+# the first step out of bounds. REFERENCE=released (the default) is the released seeds of the run's size; else one
+# or more Hub names or folders of stepN revisions; TOKENIZER unset: the run's. E.g.
+# `make pythia-replicate RUN=runs/pythia-160m-4xa100 DATA=pile/document STEPS=0,1000,2000`.
+REFERENCE ?= released
 .PHONY: pythia-replicate
-pythia-replicate: pythia-data setup
-	@test -n "$(RUN)" && test -n "$(REFERENCE)" || { echo "error: pass RUN=OUTPUT_DIR of a finished run and REFERENCE=EleutherAI/pythia-SIZE (or a folder of stepN revisions)." >&2; exit 2; }
-	$(BIN)/python -m cram.eval.replication $(RUN) --reference $(REFERENCE) --data $(DATA) --tokenizer $(TOKENIZER) \
-		$(if $(STEPS),--steps $(STEPS))
+pythia-replicate: pythia-data
+	@test -n "$(RUN)" || { echo "error: pass RUN=OUTPUT_DIR, the --output-dir of a run of recipes/pythia.py." >&2; exit 2; }
+	@$(MAKE) --no-print-directory setup
+	$(BIN)/python -m cram.eval.replication $(RUN) $(foreach reference,$(REFERENCE),--reference $(reference)) \
+		--data $(DATA) $(if $(filter command line environment,$(origin TOKENIZER)),--tokenizer $(TOKENIZER)) \
+		$(if $(STEPS),--steps $(STEPS)) $(if $(DEVICE),--device $(DEVICE))
 
 # The planner: which configuration trains MODEL fastest on the hardware ACCEL_CONFIG describes, and what the run costs.
 MODEL ?= pythia-1b

@@ -9,10 +9,12 @@ over 1 % of the steps, then cosine until it meets 10 % of the peak near step 115
 init (small_init / wang_init; GPT-NeoX's defaults for 6.9b and 12b), fp16 with dynamic loss scaling from 2^12
 (pythia-1b: bf16). pythia-1b's peak lr is its config's 2.5e-4, not the 3e-4 of the Pythia README's table. The global
 batch is reached by accumulation over whatever processes the launch config starts (DeepSpeed's own under ZeRO).
-Training states are saved at Pythia's 154 checkpoint steps, pushed with --push-checkpoints as the Hub revisions
-stepN the released models use; a preempted run continues with --resume auto. On the pre-shuffled Pile, step k
-trains on exactly the sequences the released model saw at step k; on a document-level Megatron file (the
-*_idxmaps release) it trains on the samples GPT-NeoX's own index gives (built once and cached beside the file).
+The model is kept at Pythia's 154 checkpoint steps (0, 1, 2, 4 … 512, then every 1000) as plain Hugging Face
+checkpoints in OUTPUT_DIR/revisions/stepN, pushed with --push-checkpoints as the Hub revisions stepN the released
+models use (--revision-steps keeps fewer); training states are saved by time, and a preempted run continues with
+--resume auto. On the pre-shuffled Pile, step k trains on exactly the sequences the released model saw at step k;
+on a document-level Megatron file (the *_idxmaps release) it trains on the samples GPT-NeoX's own index gives
+(built once and cached beside the file).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from cram.train.budget import StepClock
 from cram.train.memory import check_model_fits
 from cram.train.optim import build_adamw
 from cram.train.ramp import full_accumulation
+from cram.train.revisions import parse_revision_steps
 from cram.train.run import RecipeRun, RunOptions, check_run_options
 from cram.train.runtime import (
     PRECISIONS,
@@ -95,7 +98,11 @@ class ImplementationOptions(RunOptions):
         "released", "released (fp16 with loss scaling from 2^12; bf16 for pythia-1b; the nearest the device can do "
                     "otherwise, said in the log), auto, bf16, fp16 or fp32")
     push_checkpoints: bool = option(
-        False, "also push the model at each of Pythia's checkpoint steps to the Hub, as the revision stepN")
+        False, "also push each revision (--revision-steps) to the Hub, as the revision stepN")
+    revision_steps: str = option(
+        "pythia", "the steps whose model is kept in OUTPUT_DIR/revisions/stepN for the replication check: pythia "
+                  "(Pythia's checkpoint steps 0, 1, 2, 4 … 512, then every 1000, within the run), none, or steps and "
+                  "every:N separated by commas, e.g. 0,512,every:10000")
     device_memory_gib: float | None = option(
         None, "memory per accelerator to check the size against; unset means the GPU's own (no check on the CPU)")
 
@@ -140,6 +147,7 @@ def main() -> None:
     recipe = pythia_recipe(training.size)
     implementation.precision, departure = choose_precision(recipe, implementation.precision, launch_device_type())
     max_steps = training.max_steps or recipe.train_steps
+    revision_steps = parse_revision_steps(implementation.revision_steps, pythia_checkpoint_steps(), max_steps)
     seq_len = training.seq_len or recipe.seq_len
     global_batch = training.global_batch_size or recipe.global_batch_size
     peak_lr = training.lr or recipe.peak_lr
@@ -198,7 +206,7 @@ def main() -> None:
     flops_per_token = gpt_neox_flops_per_token(
         config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.vocab_size, seq_len)
 
-    # Run: the step-based schedule, saving at Pythia's checkpoint steps up to --max-steps.
+    # Run: the step-based schedule, keeping the model at Pythia's checkpoint steps up to --max-steps.
     def model_card(state: TrainState) -> ModelCardFacts:
         return run.card(
             state, model=f"GPT-NeoX ({training.size})", config=config, auto_class="AutoModelForCausalLM",
@@ -206,12 +214,7 @@ def main() -> None:
             budget=f"{max_steps} optimizer steps of {global_batch} × {seq_len} tokens", trust_remote_code=False,
         )
 
-    checkpoint_steps = pythia_checkpoint_steps(max_steps)
-    checkpointer = run.checkpointer(
-        state, model, data.tokenizer, model_card, also_at=checkpoint_steps,
-        revision_at=lambda state, saved: f"step{state.optimizer_steps}"
-        if state.optimizer_steps in checkpoint_steps else None,
-    )
+    checkpointer = run.checkpointer(state, model, data.tokenizer, model_card, revisions_at=revision_steps)
     finished = run.train(
         model, optimizer, batches, StepClock(max_steps), state, checkpointer, peak_lr=peak_lr,
         lr_shape=recipe.lr_shape(max_steps),

@@ -1,4 +1,5 @@
-"""A local stand-in for the Hugging Face Hub HTTP API: just the routes `HfApi.upload_folder` and friends call.
+"""A local stand-in for the Hugging Face Hub HTTP API: just the routes `HfApi.upload_folder` and friends call, and
+those that list a repository's branches and download a revision's files (`list_repo_refs`, `hf_hub_download`).
 
 It answers the real `huggingface_hub` client, so the tests exercise its actual code path without the network.
 Files are stored inline ("regular" upload mode for every file), so no LFS or Xet storage is involved.
@@ -93,6 +94,9 @@ class HubStandIn:
             def do_DELETE(self) -> None:
                 self.handle_request()
 
+            def do_HEAD(self) -> None:
+                self.handle_request()
+
             def read_body(self) -> bytes:
                 if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
                     chunks = []
@@ -104,14 +108,17 @@ class HubStandIn:
                 return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
             def reply(self, status: int, payload: object, headers: dict[str, str] | None = None) -> None:
-                data = json.dumps(payload).encode()
+                """JSON, or a file's bytes as they are; a HEAD request gets the headers alone."""
+                raw = isinstance(payload, bytes)
+                data = payload if raw else json.dumps(payload).encode()
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "application/octet-stream" if raw else "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 for name, value in (headers or {}).items():
                     self.send_header(name, value)
                 self.end_headers()
-                self.wfile.write(data)
+                if self.command != "HEAD":
+                    self.wfile.write(data)
 
             def handle_request(self) -> None:
                 body = self.read_body()
@@ -141,7 +148,10 @@ class HubStandIn:
             ("POST", rf"/api/models/{REPO}/branch/(?P<branch>[^/]+)", self.create_branch),
             ("POST", rf"/api/models/{REPO}/preupload/(?P<revision>[^/]+)", self.preupload),
             ("POST", rf"/api/models/{REPO}/commit/(?P<revision>[^/]+)", self.commit),
+            ("GET", rf"/api/models/{REPO}/refs", self.refs),
             ("GET", rf"/api/models/{REPO}(?:/revision/(?P<revision>[^/]+))?", self.repo_info),
+            ("HEAD", rf"/{REPO}/resolve/(?P<revision>[^/]+)/(?P<filename>.+)", self.resolve),
+            ("GET", rf"/{REPO}/resolve/(?P<revision>[^/]+)/(?P<filename>.+)", self.resolve),
         ]
 
     # Routes: each returns (status, JSON payload[, extra headers]).
@@ -233,6 +243,29 @@ class HubStandIn:
             return self.revision_not_found(revision)
         siblings = [{"rfilename": path} for path in sorted(stored.branches[revision])]
         return 200, {"id": repo, "sha": self.head(repo, revision), "private": stored.private, "siblings": siblings}
+
+    def refs(self, body: bytes, repo: str) -> tuple:
+        """The repository's branches, as `HfApi.list_repo_refs` reads them."""
+        if repo not in self.repos:
+            return self.repo_not_found(repo)
+        branches = [{"name": name, "ref": f"refs/heads/{name}", "targetCommit": self.head(repo, name)}
+                    for name in sorted(self.repos[repo].branches)]
+        return 200, {"branches": branches, "converts": [], "tags": []}
+
+    def resolve(self, body: bytes, repo: str, revision: str, filename: str) -> tuple:
+        """A file of a revision, with the headers `hf_hub_download` reads (the commit, the ETag, the size)."""
+        if repo not in self.repos:
+            return self.repo_not_found(repo)
+        stored = self.repos[repo]
+        # The client asks for a branch's files by the commit id its repo_info named, as on the Hub.
+        revision = next((name for name in stored.branches if self.head(repo, name) == revision), revision)
+        if revision not in stored.branches:
+            return self.revision_not_found(revision)
+        if filename not in stored.branches[revision]:
+            return 404, {"error": f"Entry not found: {filename}"}, {"X-Error-Code": "EntryNotFound"}
+        content = stored.branches[revision][filename]
+        return 200, content, {"X-Repo-Commit": self.head(repo, revision),
+                              "ETag": f'"{hashlib.sha256(content).hexdigest()}"'}
 
     def head(self, repo: str, revision: str) -> str:
         """A stable 40-hex commit id for the branch's history so far."""

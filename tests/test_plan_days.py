@@ -46,17 +46,28 @@ def test_time_based_saves_between_scheduled_ones_by_hand():
     assert saves_in_step_run(10, 1.0, (0, 4, 10, 50), every_seconds=0.0) == 3  # 50 lies past the run
 
 
+class ScheduledSteps:
+    """The listed steps a `ScheduledCheckpointer` saves at besides its interval, in a `RevisionSaver`'s place."""
+
+    def __init__(self, steps):
+        self.steps, self.saved = frozenset(steps), set()
+
+    def due(self, state: TrainState) -> bool:
+        return state.optimizer_steps in self.steps and state.optimizer_steps not in self.saved
+
+
 class CountingCheckpointer(ScheduledCheckpointer):
     """The engine's checkpointer deciding when to save; a save only notes the step and takes `save_seconds` on the
     fake clock, then restarts the timer as `Checkpointer.save` does."""
 
     def __init__(self, scheduled, every_seconds: float, save_seconds: float, clock: list[float]):
-        super().__init__(scheduled, None, "unused", {}, every_seconds=every_seconds)
+        super().__init__(ScheduledSteps(scheduled), None, "unused", {}, every_seconds=every_seconds)
         self.save_seconds, self.clock, self.saved = save_seconds, clock, []
 
     def save(self, state: TrainState):
         self.clock[0] += self.save_seconds
         self.saved.append(state.optimizer_steps)
+        self.revisions.saved.add(state.optimizer_steps)
         self.last_saved_step = state.optimizer_steps
         self._last_saved_at = checkpoint_module.time.monotonic()
 

@@ -1,7 +1,9 @@
 """recipes/pythia.py end to end through the real `accelerate launch` on 2 CPU processes: pythia-14m on 32-token
 sequences from a Megatron file the test writes. One single-process run is the reference; a ZeRO-1 run (pushing
-its Pythia-step checkpoints to a Hub stand-in) and a ZeRO-3 run stopped by SIGTERM and resumed must reproduce
-its losses at the same global batch. Bad input is refused before any step."""
+its Pythia-step revisions to a Hub stand-in) and a ZeRO-3 run stopped by SIGTERM and resumed must reproduce
+its losses at the same global batch. The replication check reads each run's revisions, DeepSpeed states and Hub
+revisions, and passes them against each other but fails a run trained with a wrong learning rate at its first
+step out. Bad input is refused before any step."""
 
 from __future__ import annotations
 
@@ -33,10 +35,12 @@ from cram.train.checkpoint import STATE_FILE
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "pythia.py"
 TOKEN = "hf_pythia_secret_0123456789"
-# 5 steps of 4 sequences × 32 tokens: Pythia's checkpoint steps 0, 1, 2 and 4 fall inside; fp32 for exact losses;
-# 1024 embedding rows for the test's 1000-token BPE (ZeRO-3 on busy CPUs crawls through 50304 rows).
+# 5 steps of 4 sequences × 32 tokens: Pythia's checkpoint steps 0, 1, 2 and 4 fall inside (the revisions kept);
+# training states every 2 steps; fp32 for exact losses; 1024 embedding rows for the test's 1000-token BPE (ZeRO-3 on
+# busy CPUs crawls through 50304 rows).
 RUN = ["--size", "pythia-14m", "--vocab-size", "1024", "--max-steps", "5", "--seq-len", "32",
-       "--global-batch-size", "4", "--precision", "fp32", "--log-every", "1", "--checkpoint-every-minutes", "0"]
+       "--global-batch-size", "4", "--precision", "fp32", "--log-every", "1", "--checkpoint-every-minutes", "0",
+       "--checkpoint-every", "2"]
 LOSS_TOLERANCE = 1e-4  # summation order differs between one process and an all-reduce over two
 
 
@@ -123,7 +127,14 @@ def test_a_single_process_run_trains_and_writes_model_summary_and_curves(single_
     model = AutoModelForCausalLM.from_pretrained(single_process / "final")
     assert model.config.model_type == "gpt_neox" and model.num_parameters() == 14_067_712 - 2 * 128 * (50304 - 1024)
     saved = sorted(path.name for path in (single_process / "checkpoints").iterdir())
-    assert saved == ["step-00000002", "step-00000004"]  # Pythia's steps 0, 1, 2, 4; the newest two kept
+    assert saved == ["step-00000002", "step-00000004"]  # every 2 steps (--checkpoint-every 2)
+    # The model at Pythia's steps 0, 1, 2 and 4, each a plain checkpoint; step 0 is the init, before any step.
+    revisions = single_process / "revisions"
+    assert sorted(path.name for path in revisions.iterdir()) == ["step0", "step1", "step2", "step4"]
+    step4 = safetensors.torch.load_file(revisions / "step4" / "model.safetensors")
+    state4 = safetensors.torch.load_file(single_process / "checkpoints" / "step-00000004" / "model.safetensors")
+    state4["embed_out.weight"] = state4.pop("lm_head.weight")  # the module's name for what the file calls embed_out
+    assert step4.keys() == state4.keys() and all(torch.equal(tensor, state4[name]) for name, tensor in step4.items())
 
 
 @pytest.mark.slow
@@ -190,69 +201,185 @@ def test_each_pushed_pythia_revision_holds_the_weights_of_its_step(zero1_pushed)
             first, second)
 
 
+@pytest.fixture(scope="module")
+def zero3_resumed(zero3_stopped, recipe_env, megatron_data) -> tuple[Path, subprocess.CompletedProcess]:
+    """The stopped ZeRO-3 run, continued with --resume auto to its end."""
+    output_dir, _ = zero3_stopped
+    completed = subprocess.run(launch_command("cpu-zero3", megatron_data, output_dir, "--resume", "auto"),
+                               cwd=REPO, env=recipe_env, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return output_dir, completed
+
+
 @pytest.mark.slow
-def test_zero3_stopped_by_sigterm_resumes_to_the_uninterrupted_losses(
-    tmp_path, recipe_env, megatron_data, single_process, zero3_stopped
-):
+def test_zero3_stopped_by_sigterm_resumes_to_the_uninterrupted_losses(single_process, zero3_stopped, zero3_resumed):
     output_dir, stopped = zero3_stopped
     assert stopped.returncode != 0  # the launcher reports the signal it was sent
     assert stopped.stderr.count("stopped by signal 15") == 1, stopped.stderr[-3000:]  # said once, by rank 0
     assert "--resume auto" in stopped.stderr
-    assert not (output_dir / "final").exists()
-    completed = subprocess.run(launch_command("cpu-zero3", megatron_data, output_dir, "--resume", "auto"),
-                               cwd=REPO, env=recipe_env, capture_output=True, text=True, timeout=600)
-    assert completed.returncode == 0, completed.stderr[-3000:]
+    # The disk the revisions take is said before step 0: 4 steps of 1,452,032 fp32 weights.
+    assert "revisions: the model at 4 steps (0, 1, 2, 4), 1,452,032 weights in float32 = 5.5 MiB each, " \
+           "22.2 MiB in all" in stopped.stdout
+    _, completed = zero3_resumed
     assert "resuming from" in completed.stdout
     assert_same_losses(history(output_dir), history(single_process))
+    # The resumed run exports only the revision it lacks; the one of each step is the model at that step.
+    assert "revisions: the model at 1 step (4)" in completed.stdout
+    assert sorted(path.name for path in (output_dir / "revisions").iterdir()) == ["step0", "step1", "step2", "step4"]
 
 
 @pytest.fixture(scope="module")
-def another_seed(tmp_path_factory, recipe_env, megatron_data) -> Path:
-    """One process, seed 7, keeping every training state: our run for the replication check."""
-    output_dir = tmp_path_factory.mktemp("seed7") / "run"
-    command = [sys.executable, *recipe_arguments(megatron_data, output_dir, 2, "--seed", "7", "--keep-checkpoints",
-                                                 "10")]
+def wrong_run(tmp_path_factory, recipe_env, megatron_data) -> Path:
+    """One process, the same seed, a learning rate 30 times the recipe's: a run that is not Pythia from step 2 on
+    (step 1 runs at the warm-up's lr of 0, so its model is still the shared init)."""
+    output_dir = tmp_path_factory.mktemp("wrong") / "run"
+    command = [sys.executable, *recipe_arguments(megatron_data, output_dir, 2, "--lr", "0.03")]
     completed = subprocess.run(command, env=recipe_env, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
     return output_dir
 
 
-@pytest.mark.slow
-def test_the_replication_check_compares_a_run_with_a_reference_step_by_step(
-    tmp_path, megatron_data, zero1_pushed, another_seed, capsys
-):
-    """The reference: the ZeRO-1 run's pushed stepN revisions (seed 1234) as a local folder of revisions; ours:
-    the seed-7 run. Same recipe, other init: the gap is small but not zero."""
-    from cram.eval.replication import main as replication
+def states_only(run: Path, folder: Path) -> Path:
+    """A view of `run` without its revisions: its DeepSpeed training states, final model and summary."""
+    folder.mkdir()
+    for name in ("checkpoints", "final", "summary.json"):
+        (folder / name).symlink_to(run / name)
+    return folder
 
-    _, hub = zero1_pushed
-    reference = tmp_path / "reference"
-    for branch, files in hub.repos["lab/pythia-tiny"].branches.items():
-        if branch.startswith("step"):
-            for name, content in files.items():
-                (reference / branch / name).parent.mkdir(parents=True, exist_ok=True)
-                (reference / branch / name).write_bytes(content)
+
+def replication(*arguments) -> tuple[int, dict]:
+    """The check run in this process: its exit status and its replication.json."""
+    from cram.eval.replication import main
+
+    arguments = [str(argument) for argument in arguments]
+    status = main(arguments)
+    output = Path(arguments[arguments.index("--output") + 1])
+    return status, json.loads((output / "replication.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["zero1", "zero3"])
+def test_the_replication_check_reads_deepspeed_states_and_passes_a_run_against_itself(
+    tmp_path, megatron_data, zero1_pushed, zero3_resumed, stage
+):
+    from cram.eval.replication import Revisions
+
+    run = {"zero1": zero1_pushed, "zero3": zero3_resumed}[stage][0]
     prefix, _ = megatron_data
-    with pytest.raises(UserError, match=r"has no revision step5 .* the reference has 0, 1, 2, 4\.$"):
-        replication([str(another_seed), "--reference", str(reference), "--data", str(prefix)])  # ours also has 5
-    replication([str(another_seed), "--reference", str(reference), "--data", str(prefix), "--steps", "0,1,2,4"])
-    result = json.loads((another_seed / "replication" / "replication.json").read_text())
-    assert [row["step"] for row in result["rows"]] == [0, 1, 2, 4]
-    assert [row["first_sequence"] for row in result["rows"]] == [0, 4, 8, 16]  # the batch of step N: B·N on
+    # Every step the run kept, from its revisions.
+    status, result = replication(run, "--reference", run, "--data", prefix, "--output", tmp_path / "self")
+    assert status == 0 and result["passed"] and result["first_failed_step"] is None
+    assert [row["step"] for row in result["rows"]] == [0, 1, 2, 4, 5] and result["skipped_steps"] == []
+    assert all(row["ours"] == row["references"][0] for row in result["rows"])
+    # Our side from the DeepSpeed states alone (steps 2 and 4, consolidated by zero_to_fp32) and the final model.
+    view = states_only(run, tmp_path / "states")
+    assert {step: kind for step, (kind, _) in Revisions(str(view)).found().items()} == {
+        2: "state", 4: "state", 5: "revision"}
+    for step in (2, 4):
+        consolidated, exported = Revisions(str(view)).load(step), Revisions(str(run)).load(step)
+        for (name, tensor), (_, expected) in zip(consolidated.state_dict().items(), exported.state_dict().items(),
+                                                 strict=True):
+            torch.testing.assert_close(tensor, expected, rtol=0, atol=0, msg=f"{stage} step {step} {name}")
+    status, result = replication(view, "--reference", run, "--data", prefix, "--output", tmp_path / "states-check")
+    assert status == 0 and [row["step"] for row in result["rows"]] == [2, 4, 5]
+    assert all(row["ours"] == pytest.approx(row["references"][0], abs=1e-6) for row in result["rows"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["zero1", "zero3"])
+def test_the_replication_check_fails_a_wrong_run_at_its_first_step_out(
+    tmp_path, megatron_data, zero1_pushed, zero3_resumed, wrong_run, stage
+):
+    run = {"zero1": zero1_pushed, "zero3": zero3_resumed}[stage][0]
+    prefix, _ = megatron_data
+    status, result = replication(wrong_run, "--reference", run, "--data", prefix, "--output", tmp_path / "wrong")
+    assert status == 1 and not result["passed"] and result["first_failed_step"] == 2
+    assert [row["passed"] for row in result["rows"][:3]] == [True, True, False]  # the same init until step 2
+    assert result["verdict"].startswith("FAIL at step 2: our loss ")
+    assert "FAIL at step 2" in (tmp_path / "wrong" / "replication.md").read_text()
+    # The other way round: the DeepSpeed run's states judged against the wrong run as the reference.
+    view = states_only(run, tmp_path / "states")
+    status, result = replication(view, "--reference", wrong_run, "--data", prefix, "--output", tmp_path / "back")
+    assert status == 1 and result["first_failed_step"] == 2
+
+
+def seed_stand_ins(run: Path, folder: Path, seeds: int) -> list[Path]:
+    """Released-model stand-ins: per seed, one folder of stepN revisions, each a GPTNeoXForCausalLM saved with
+    save_pretrained in float16 as the released Pythia models are; seed k holds `run`'s weights at that step moved by
+    noise of its own draw (seed 0 unmoved), so the seeds' losses spread around the run's."""
+    from transformers import GPTNeoXForCausalLM
+
+    folders = []
+    for seed in range(seeds):
+        for revision in sorted((run / "revisions").iterdir()):
+            model = GPTNeoXForCausalLM.from_pretrained(revision)
+            generator = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.add_(torch.randn(param.shape, generator=generator) * 0.01 * (seed > 0))
+            model.half().save_pretrained(folder / f"seed{seed}" / revision.name)
+        folders.append(folder / f"seed{seed}")
+    return folders
+
+
+@pytest.mark.slow
+def test_the_envelope_of_several_seeds_passes_a_run_within_it_and_fails_one_outside(
+    tmp_path, megatron_data, single_process, zero1_pushed, wrong_run
+):
+    from cram.eval.replication import Revisions
+
+    seeds = seed_stand_ins(single_process, tmp_path / "released", 4)
+    assert Revisions(str(seeds[1])).load(2).dtype == torch.float16  # read in the precision it was saved in
+    prefix, _ = megatron_data
+    references = [argument for seed in seeds for argument in ("--reference", seed)]
+    status, result = replication(zero1_pushed[0], *references, "--data", prefix, "--output", tmp_path / "pass")
+    assert status == 0 and [row["step"] for row in result["rows"]] == [0, 1, 2, 4]
+    assert result["skipped_steps"] == [5]  # the released stand-ins have no step 5
     for row in result["rows"]:
-        assert 0 < abs(row["gap"]) < 0.5 and row["gap"] == pytest.approx(row["ours"] - row["reference"])
-    losses = history(another_seed)  # step 1's logged loss is the step-0 model on the batch of step 0
-    assert result["rows"][0]["ours"] == pytest.approx(losses[0]["loss"], abs=1e-4)
-    largest = max(result["rows"], key=lambda row: abs(row["gap"]))
-    assert result["largest_gap"] == {"step": largest["step"], "gap": largest["gap"]}
-    small, wang = (2 / (5 * 128)) ** 0.5, 2 / (6 * 128**0.5)
-    for side in ("ours", "reference"):
-        stds = result["init_std"][side]
-        assert stds["embed_in"] == pytest.approx(small, rel=0.03)
-        assert stds["dense_4h_to_h"] == pytest.approx(wang, rel=0.03)
-    assert result["init_std"]["ours"] != result["init_std"]["reference"]  # another seed, another draw
-    assert (another_seed / "replication" / "replication.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "Largest gap" in (another_seed / "replication" / "replication.md").read_text()
+        assert len(row["references"]) == 4 and max(row["references"]) - min(row["references"]) > 1e-3
+        assert (row["low"], row["high"]) == pytest.approx((min(row["references"]) - 0.05,
+                                                           max(row["references"]) + 0.05))
+    status, result = replication(wrong_run, *references, "--data", prefix, "--output", tmp_path / "fail")
+    assert status == 1 and result["first_failed_step"] == 2
+    # A margin of 0 leaves the bare envelope: a copy of the seed-0 weights in fp32 is within it, by the rounding.
+    status, result = replication(zero1_pushed[0], *references, "--data", prefix, "--margin", "0", "--output",
+                                 tmp_path / "bare")
+    assert all(row["low"] == min(row["references"]) for row in result["rows"])
+
+
+@pytest.mark.slow
+def test_the_replication_check_reads_pushed_hub_revisions_and_exits_1_naming_the_step(
+    tmp_path, recipe_env, megatron_data, zero1_pushed, wrong_run
+):
+    """The ZeRO-1 run's pushed stepN revisions served by a Hub stand-in as the reference, the command run as a user
+    runs it: the wrong run fails with exit status 1, the verdict naming step 2."""
+    _, pushed = zero1_pushed
+    prefix, _ = megatron_data
+    with HubStandIn() as hub:
+        hub.repos = pushed.repos
+        command = [sys.executable, "-m", "cram.eval.replication", wrong_run, "--reference", "lab/pythia-tiny",
+                   "--data", prefix, "--output", tmp_path / "hub"]
+        environment = {**recipe_env, "HF_ENDPOINT": hub.endpoint, "HF_HUB_CACHE": str(tmp_path / "hub-cache")}
+        environment.pop("HF_HUB_OFFLINE", None)
+        completed = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 1, completed.stderr[-3000:]
+    assert "FAIL at step 2: our loss" in completed.stdout
+    result = json.loads((tmp_path / "hub" / "replication.json").read_text())
+    assert [row["step"] for row in result["rows"]] == [0, 1, 2, 4] and result["references"] == ["lab/pythia-tiny"]
+
+
+@pytest.mark.slow
+def test_make_pythia_replicate_prints_a_verdict_on_a_run(tmp_path, recipe_env, megatron_data, zero1_pushed,
+                                                          zero3_resumed):
+    """The CPU stand-in of `make pythia-replicate` on a run's output: the ZeRO-3 run against the ZeRO-1 one."""
+    prefix, _ = megatron_data
+    venv = Path(sys.executable).parent.parent
+    completed = subprocess.run(
+        ["make", "--no-print-directory", "pythia-replicate", f"RUN={zero3_resumed[0]}",
+         f"REFERENCE={zero1_pushed[0]}", f"DATA={prefix}", f"VENV={venv}"],
+        cwd=REPO, env=recipe_env, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "PASS: at every step compared (0, 1, 2, 4, 5)" in completed.stdout
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,22 @@
-"""Replication check: our Pythia run against the released model, step by step, on batches neither trained on.
+"""Replication check: is our Pythia run Pythia? Our model against the released seeds, step by step, with a verdict.
 
-    python -m cram.eval.replication runs/pythia-160m --reference EleutherAI/pythia-160m --data pile/document \\
-        --tokenizer EleutherAI/gpt-neox-20b --steps 1000,2000,3000
+    python -m cram.eval.replication runs/pythia-160m-4xa100 --reference released --data pile/document \\
+        --tokenizer EleutherAI/gpt-neox-20b --steps 0,1000,2000
 
-For each step N, our model at step N (the run's saved state or exported model) and the reference at step N (the
-Hub revision `stepN`, a local folder holding one `stepN` folder per revision, or another run of this recipe) are
-scored on the same sequences: by default the batch of step N, sequences [B·N, B·(N+1)) of the run's data in
-training order, the next batch either model would see. Written to OUTPUT (default RUN_DIR/replication): a table
-(replication.md), the figures (replication.json) and a PNG of both losses against the step, with the largest gap.
-Where both have step 0, the std of each weight type of our init is set beside the reference's.
+For each step N, our model at step N and each reference at step N are scored on the same sequences: by default the
+batch of step N, sequences [B·N, B·(N+1)) of the run's data in training order, the next batch none of them has
+trained on. Our model at step N is read from whatever the run kept: its revisions (OUTPUT_DIR/revisions/stepN), a
+training state (Accelerate's model.safetensors, DeepSpeed's ZeRO-1/2/3 shards consolidated with DeepSpeed's
+zero_to_fp32, FSDP's sharded or full states merged with Accelerate's merge_fsdp_weights) or its final model.
+
+A reference is a Hub repository with `stepN` revisions (a released model, or a run pushed with --push-checkpoints),
+a local folder holding one `stepN` folder per revision, or another run's --output-dir; `released` names the released
+models of the run's size: for pythia-14m … 410m, the original (seed 1234) and PolyPythias' seeds 1 to 9.
+
+The verdict: with several references, the run passes a step where its loss lies within the references' losses there
+(min … max) widened by --margin on each side; with one, within --tolerance of it. The command exits with status 1,
+naming the first step out of bounds, where it does not pass. Written to OUTPUT (default RUN_DIR/replication): the
+table (replication.md), the figures (replication.json) and a PNG of the losses against the step.
 """
 
 from __future__ import annotations
@@ -16,6 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+import tempfile
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,105 +39,208 @@ from cram.errors import UserError, run_cli
 from cram.models.pythia import weight_type
 
 OPTIONS_FILE = "cram_options.json"
+REVISIONS_FOLDER = "revisions"  # cram.train.revisions' folder (not imported: it would pull in the training stack)
+# The released seeds (EleutherAI/pythia README, "Multiple random seeds"; PolyPythias, van der Wal et al., ICLR 2025):
+# pythia-SIZE is seed 1234, pythia-SIZE-seed1 … seed9 the others, for these sizes; the larger ones have one seed.
+SEEDED_SIZES = ("pythia-14m", "pythia-31m", "pythia-70m", "pythia-160m", "pythia-410m")
+DEFAULT_MARGIN = 0.05  # nats either side of the references' min … max
+DEFAULT_TOLERANCE = 0.1  # nats either side of a single reference
+CPU = torch.device("cpu")
+PRECISION_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def released_references(size: str) -> list[str]:
+    """The Hub names of the released models of `size` (pythia-160m: the original and its nine other seeds)."""
+    names = [f"EleutherAI/{size}"]
+    if size in SEEDED_SIZES:
+        names += [f"EleutherAI/{size}-seed{seed}" for seed in range(1, 10)]
+    return names
 
 
 @dataclass(frozen=True)
 class RunFacts:
-    """What the check needs to know of our run: its folder, shape of batch and data."""
+    """What the check needs to know of our run: its folder, size, shape of batch, data and precision."""
 
     folder: Path
+    size: str
     seq_len: int
     global_batch_size: int
     max_steps: int
     vocab_size: int
     data: str
     tokenizer: str | None
+    precision: str  # the released precision of the size (fp16; bf16 for pythia-1b)
 
 
 def read_run(run_dir: Path) -> RunFacts:
-    options_path = run_dir / "final" / OPTIONS_FILE
-    if not options_path.is_file():
-        raise UserError(f"{run_dir} holds no finished Pythia run ({options_path} is missing): give the --output-dir "
-                        "of a run of recipes/pythia.py that finished.")
+    """The facts of a run, from its final model's options or, for a run still training, its newest revision's."""
+    candidates = [run_dir / "final" / OPTIONS_FILE]
+    revisions = run_dir / REVISIONS_FOLDER
+    if revisions.is_dir():
+        steps = sorted((int(child.name[4:]), child) for child in revisions.iterdir()
+                       if child.name.startswith("step") and child.name[4:].isdigit())
+        candidates += [child / OPTIONS_FILE for _, child in reversed(steps)]
+    options_path = next((path for path in candidates if path.is_file()), None)
+    if options_path is None:
+        raise UserError(f"{run_dir} holds no Pythia run (no final/{OPTIONS_FILE} nor revisions/stepN/{OPTIONS_FILE}): "
+                        "give the --output-dir of a run of recipes/pythia.py.")
     options = json.loads(options_path.read_text())
     resolved, training = options["resolved"], options["training"]
-    return RunFacts(run_dir, resolved["seq_len"], resolved["global_batch_size"], resolved["max_steps"],
-                    resolved["vocab_size"], training["data"], training["tokenizer"])
+    return RunFacts(run_dir, training["size"], resolved["seq_len"], resolved["global_batch_size"],
+                    resolved["max_steps"], resolved["vocab_size"], training["data"], training["tokenizer"],
+                    resolved.get("released_precision", "fp16"))
+
+
+def _step_folders(folder: Path, prefix: str) -> dict[int, Path]:
+    if not folder.is_dir():
+        return {}
+    return {int(child.name[len(prefix):]): child for child in folder.iterdir()
+            if child.name.startswith(prefix) and child.name[len(prefix):].isdigit() and child.is_dir()}
+
+
+def training_state_weights(state: Path) -> str | None:
+    """Which kind of model weights a training-state folder holds (None: none this check reads)."""
+    if (state / "model.safetensors").is_file():
+        return "accelerate"  # one process, DDP: Accelerate's save_state
+    if (state / "pytorch_model").is_dir():
+        return "deepspeed"  # Accelerate's save_state under DeepSpeed: the engine's checkpoint tagged pytorch_model
+    if (state / "pytorch_model_fsdp_0").is_dir():
+        return "fsdp-sharded"  # SHARDED_STATE_DICT, a torch.distributed.checkpoint folder
+    if (state / "pytorch_model_fsdp.bin").is_file():
+        return "fsdp-full"  # FULL_STATE_DICT
+    return None
+
+
+def read_training_state(state: Path) -> dict[str, torch.Tensor]:
+    """The full model weights in a training state, consolidated by the sharding library's own tool."""
+    kind = training_state_weights(state)
+    if kind == "accelerate":
+        return load_file(state / "model.safetensors")
+    if kind == "deepspeed":
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(state), tag="pytorch_model")
+    if kind == "fsdp-sharded":
+        from accelerate.utils import merge_fsdp_weights
+
+        with tempfile.TemporaryDirectory(prefix="merged-fsdp-") as merged:
+            merge_fsdp_weights(str(state / "pytorch_model_fsdp_0"), merged, safe_serialization=True)
+            return load_file(Path(merged) / "model.safetensors")
+    if kind == "fsdp-full":
+        return torch.load(state / "pytorch_model_fsdp.bin", map_location="cpu", weights_only=True)
+    raise UserError(f"{state} holds no model weights this check reads (FSDP's LOCAL_STATE_DICT is one shard per "
+                    "process): keep revisions with --revision-steps, or save FSDP states as SHARDED_STATE_DICT.")
 
 
 class Revisions:
-    """The models of one run, a local folder of revisions or a Hub repository, by step."""
+    """The models of one run, a local folder of stepN revisions, or a Hub repository's stepN revisions, by step."""
 
     def __init__(self, location: str):
         self.location = location
         self.folder = Path(location) if Path(location).exists() else None
+        self._found: dict[int, tuple[str, Path | None]] | None = None
+
+    def found(self) -> dict[int, tuple[str, Path | None]]:
+        """step -> (kind, path): a revision folder, a training state, the final model, or a Hub revision."""
+        if self._found is not None:
+            return self._found
+        found: dict[int, tuple[str, Path | None]] = {}
+        if self.folder is None:
+            for step in self._hub_steps():
+                found[step] = ("hub", None)
+        else:
+            summary = self.folder / "summary.json"
+            if summary.is_file() and (self.folder / "final" / "config.json").is_file():
+                found[json.loads(summary.read_text())["optimizer_steps"]] = ("revision", self.folder / "final")
+            for step, state in _step_folders(self.folder / "checkpoints", "step-").items():
+                if training_state_weights(state) is not None:
+                    found[step] = ("state", state)
+            for folder in (self.folder, self.folder / REVISIONS_FOLDER):  # revisions first: the model as exported
+                for step, revision in _step_folders(folder, "step").items():
+                    if (revision / "config.json").is_file():
+                        found[step] = ("revision", revision)
+        self._found = found
+        return found
 
     def steps(self) -> list[int]:
-        """The steps it holds (for a Hub repository: the `stepN` branches)."""
-        if self.folder is None:
-            from huggingface_hub import list_repo_refs
+        return sorted(self.found())
 
-            try:
-                branches = [branch.name for branch in list_repo_refs(self.location).branches]
-            except Exception as err:  # noqa: BLE001 - offline, unknown repository, no access: one sentence each
-                raise UserError(f"cannot list the revisions of {self.location} ({type(err).__name__}): give a Hub "
-                                "repository you can reach or a local folder of stepN revisions.") from None
-            return sorted(int(name[4:]) for name in branches if name.startswith("step") and name[4:].isdigit())
-        found = set()
-        for child in self.folder.iterdir():
-            if child.name.startswith("step") and child.name[4:].isdigit() and (child / "config.json").is_file():
-                found.add(int(child.name[4:]))  # a folder of revisions
-        checkpoints = self.folder / "checkpoints"
-        if checkpoints.is_dir():  # a run of recipes/pythia.py: its saved training states and its final model
-            for child in checkpoints.iterdir():
-                if child.name.startswith("step-") and (child / "model.safetensors").is_file():
-                    found.add(int(child.name[5:]))
-        summary = self.folder / "summary.json"
-        if summary.is_file() and (self.folder / "final" / "config.json").is_file():
-            found.add(json.loads(summary.read_text())["optimizer_steps"])
-        return sorted(found)
+    def _hub_steps(self) -> list[int]:
+        from huggingface_hub import list_repo_refs
+
+        try:
+            branches = [branch.name for branch in list_repo_refs(self.location).branches]
+        except Exception as err:  # noqa: BLE001 - offline, unknown repository, no access: one sentence each
+            raise UserError(f"cannot list the revisions of {self.location} ({type(err).__name__}): give a Hub "
+                            "repository you can reach or a local folder of stepN revisions.") from None
+        return sorted(int(name[4:]) for name in branches if name.startswith("step") and name[4:].isdigit())
+
+    def config_folder(self) -> Path:
+        """A folder with the run's config.json, for loading weights from a training state."""
+        for kind, path in self.found().values():
+            if kind == "revision":
+                return path
+        raise UserError(f"{self.location} has training states but no exported model to read its configuration from: "
+                        "let the run save a revision (--revision-steps) or finish.")
 
     def load(self, step: int) -> PreTrainedModel:
-        if self.folder is None:
-            return AutoModelForCausalLM.from_pretrained(self.location, revision=f"step{step}")
-        revision = self.folder / f"step{step}"
-        if (revision / "config.json").is_file():
-            return AutoModelForCausalLM.from_pretrained(revision)
-        state = self.folder / "checkpoints" / f"step-{step:08d}" / "model.safetensors"
-        if state.is_file():  # a training state: the weights, with the run's exported config
-            model = GPTNeoXForCausalLM(AutoConfig.from_pretrained(self.folder / "final"))
-            model.load_state_dict(load_file(state))
-            return model
-        return AutoModelForCausalLM.from_pretrained(self.folder / "final")
+        """The model at `step`, its weights in the precision they were saved in (dtype="auto")."""
+        kind, path = self.found()[step]
+        if kind == "hub":
+            return AutoModelForCausalLM.from_pretrained(self.location, revision=f"step{step}", dtype="auto")
+        if kind == "revision":
+            return AutoModelForCausalLM.from_pretrained(path, dtype="auto")
+        model = GPTNeoXForCausalLM(AutoConfig.from_pretrained(self.config_folder()))
+        weights = read_training_state(path)
+        model.load_state_dict({name: tensor for name, tensor in weights.items() if name in model.state_dict()})
+        return model
 
 
-def check_steps(ours: Revisions, reference: Revisions, asked: list[int] | None) -> list[int]:
-    """The steps to compare: those asked (else every step our run saved), each refused unless both have it."""
-    our_steps, reference_steps = ours.steps(), reference.steps()
-    steps = asked if asked is not None else our_steps
-    missing_ours = [step for step in steps if step not in our_steps]
-    if missing_ours:
-        raise UserError(f"our run saved no model at step {missing_ours[0]}: choose --steps among the steps it has, "
-                        f"{', '.join(map(str, our_steps))}.")
-    missing = [step for step in steps if step not in reference_steps]
-    if missing:
-        raise UserError(f"the reference {reference.location} has no revision step{missing[0]} of the steps compared: "
-                        f"choose --steps among those both have, the reference has "
-                        f"{', '.join(map(str, reference_steps)) or 'none'}.")
-    if not steps:
-        raise UserError(f"{ours.location} and {reference.location} share no saved step: give --steps both have.")
-    return steps
+def choose_steps(ours: Revisions, references: list[Revisions], asked: list[int] | None) -> tuple[list[int], list[int]]:
+    """The steps to compare, and those of ours no reference has: those asked (each refused unless all have it),
+    else every step our run kept that all references have."""
+    our_steps = ours.steps()
+    if asked is not None:
+        missing_ours = [step for step in asked if step not in our_steps]
+        if missing_ours:
+            raise UserError(f"our run kept no model at step {missing_ours[0]}: choose --steps among the steps it has, "
+                            f"{', '.join(map(str, our_steps))}.")
+        for reference in references:
+            missing = [step for step in asked if step not in reference.steps()]
+            if missing:
+                raise UserError(f"the reference {reference.location} has no revision step{missing[0]} of the steps "
+                                f"compared: choose --steps among those all have, the reference has "
+                                f"{', '.join(map(str, reference.steps())) or 'none'}.")
+        return asked, []
+    shared = [step for step in our_steps if all(step in reference.steps() for reference in references)]
+    if not shared:
+        raise UserError(f"{ours.location} and the references share no step: our run has "
+                        f"{', '.join(map(str, our_steps)) or 'none'}, {references[0].location} has "
+                        f"{', '.join(map(str, references[0].steps())) or 'none'}.")
+    return shared, [step for step in our_steps if step not in shared]
+
+
+def scoring_dtype(precision: str, device: torch.device, recipe_precision: str) -> torch.dtype:
+    """The arithmetic's dtype: `auto` is the recipe's precision on a GPU and fp32 on the CPU."""
+    if precision == "auto":
+        precision = recipe_precision if device.type == "cuda" else "fp32"
+    return PRECISION_DTYPES[precision]
 
 
 @torch.no_grad()
-def batch_loss(model: PreTrainedModel, sequences, serials: list[int], micro_batch_size: int) -> float:
-    """Mean next-token loss over `serials`, every position predicted as in training."""
-    model.eval()
+def batch_loss(model: PreTrainedModel, sequences, serials: list[int], micro_batch_size: int,
+               device: torch.device = CPU, dtype: torch.dtype = torch.float32) -> float:
+    """Mean next-token loss over `serials`, every position predicted as in training. The weights are upcast to fp32
+    (lossless: they keep the values they were saved with) and the arithmetic runs under autocast in `dtype`."""
+    model.to(device=device, dtype=torch.float32).eval()
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
     total, tokens = 0.0, 0
     for start in range(0, len(serials), micro_batch_size):
         batch = causal_lm_batch(sequences.__getitems__(serials[start:start + micro_batch_size]))
+        batch = {name: value.to(device) for name, value in batch.items()}
         count = batch["shift_labels"].numel()
-        total += model(**batch).loss.item() * count
+        with autocast:
+            total += model(**batch).loss.float().item() * count
         tokens += count
     return total / tokens
 
@@ -141,46 +255,89 @@ def init_stds(model: PreTrainedModel) -> dict[str, float]:
     return {kind: torch.cat(values).std().item() for kind, values in groups.items()}
 
 
+def judge(references: list[float], margin: float, tolerance: float) -> tuple[float, float]:
+    """The bounds our loss must lie within: the references' min … max widened by `margin`, or a single reference
+    ± `tolerance`."""
+    widen = margin if len(references) > 1 else tolerance
+    return min(references) - widen, max(references) + widen
+
+
 def compare(
-    run: RunFacts, reference: Revisions, steps: list[int], data: str, tokenizer: str | None, sequences: int | None,
-    micro_batch_size: int = 8,
+    run: RunFacts, references: list[Revisions], steps: list[int], data: str, tokenizer: str | None,
+    sequences: int | None, *, margin: float = DEFAULT_MARGIN, tolerance: float = DEFAULT_TOLERANCE,
+    device: torch.device = CPU, dtype: torch.dtype = torch.float32, micro_batch_size: int = 8,
 ) -> dict:
     ours = Revisions(str(run.folder))
+    # The data must reach the batch of the last step compared, one past the run's for its final model.
     source = load_causal_data(data, run.seq_len, run.vocab_size, tokenizer or run.tokenizer, None,
-                              run.max_steps * run.global_batch_size)
+                              max(run.max_steps, max(steps) + 1) * run.global_batch_size)
     count = sequences or run.global_batch_size
-    rows = []
+    rows, init = [], None
     for step in steps:
         serials = list(range(run.global_batch_size * step, run.global_batch_size * step + count))
-        our_model, reference_model = ours.load(step), reference.load(step)
+        our_model = ours.load(step)
         row = {"step": step, "first_sequence": serials[0], "sequences": count,
-               "ours": batch_loss(our_model, source.sequences, serials, micro_batch_size),
-               "reference": batch_loss(reference_model, source.sequences, serials, micro_batch_size)}
-        row["gap"] = row["ours"] - row["reference"]
+               "ours": batch_loss(our_model, source.sequences, serials, micro_batch_size, device, dtype),
+               "references": []}
+        reference_models = []
+        for reference in references:
+            model = reference.load(step)
+            row["references"].append(batch_loss(model, source.sequences, serials, micro_batch_size, device, dtype))
+            if step == 0 and not reference_models:
+                reference_models.append(model)
+            del model
+        row["low"], row["high"] = judge(row["references"], margin, tolerance)
+        row["passed"] = row["low"] <= row["ours"] <= row["high"]
         rows.append(row)
         if step == 0:
-            init = {"ours": init_stds(our_model), "reference": init_stds(reference_model)}
-    largest = max(rows, key=lambda row: abs(row["gap"]))
-    result = {"run": str(run.folder), "reference": reference.location, "data": data, "rows": rows,
-              "largest_gap": {"step": largest["step"], "gap": largest["gap"]}}
-    if 0 in steps:
+            init = {"ours": init_stds(our_model), "reference": init_stds(reference_models[0])}
+        del our_model
+    failed = next((row for row in rows if not row["passed"]), None)
+    result = {"run": str(run.folder), "references": [reference.location for reference in references], "data": data,
+              "precision": str(dtype).removeprefix("torch."), "device": str(device),
+              "bounds": (f"the references' min … max ± {margin:g}" if len(references) > 1
+                         else f"the reference ± {tolerance:g}"),
+              "rows": rows, "passed": failed is None, "first_failed_step": None if failed is None else failed["step"]}
+    if init is not None:
         result["init_std"] = init
+    result["verdict"] = verdict(result)
     return result
+
+
+def verdict(result: dict) -> str:
+    """One sentence a researcher can act on."""
+    rows = result["rows"]
+    steps = ", ".join(str(row["step"]) for row in rows)
+    if result["passed"]:
+        return (f"PASS: at every step compared ({steps}) our loss lies within {result['bounds']} nats.")
+    row = next(row for row in rows if not row["passed"])
+    side = "above" if row["ours"] > row["high"] else "below"
+    return (f"FAIL at step {row['step']}: our loss {row['ours']:.4f} lies {side} {row['low']:.4f} … "
+            f"{row['high']:.4f} ({result['bounds']} nats): the run departs from the reference there; compare its "
+            "recipe, data order and precision with Pythia's up to that step.")
 
 
 def write_report(result: dict, output: Path) -> None:
     """replication.json, replication.md and replication.png in `output`, each written whole, then renamed."""
     output.mkdir(parents=True, exist_ok=True)
-    lines = [f"# Replication: {result['run']} against {result['reference']}", "",
-             "| step | sequences | ours | reference | gap |", "|---|---|---|---|---|"]
-    lines += [f"| {row['step']} | [{row['first_sequence']}, {row['first_sequence'] + row['sequences']}) | "
-              f"{row['ours']:.4f} | {row['reference']:.4f} | {row['gap']:+.4f} |" for row in result["rows"]]
-    largest = result["largest_gap"]
-    lines += ["", f"Largest gap: {largest['gap']:+.4f} at step {largest['step']}."]
+    several = len(result["references"]) > 1
+    lines = [f"# Replication: {result['run']}", "",
+             f"References: {', '.join(result['references'])}; scored in {result['precision']} on {result['device']}.",
+             "", "| step | sequences | ours | references | bounds | verdict |", "|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        references = (f"{min(row['references']):.4f} … {max(row['references']):.4f}" if several
+                      else f"{row['references'][0]:.4f}")
+        lines.append(f"| {row['step']} | [{row['first_sequence']}, {row['first_sequence'] + row['sequences']}) | "
+                     f"{row['ours']:.4f} | {references} | {row['low']:.4f} … {row['high']:.4f} | "
+                     f"{'pass' if row['passed'] else 'FAIL'} |")
+    if result.get("skipped_steps"):
+        lines += ["", f"Steps of our run no reference has (not compared): "
+                      f"{', '.join(map(str, result['skipped_steps']))}."]
     if "init_std" in result:
         lines += ["", "| weight type | our step-0 std | reference step-0 std |", "|---|---|---|"]
         ours, reference = result["init_std"]["ours"], result["init_std"]["reference"]
         lines += [f"| {kind} | {ours[kind]:.5f} | {reference.get(kind, float('nan')):.5f} |" for kind in ours]
+    lines += ["", result["verdict"]]
     _write(output / "replication.md", ("\n".join(lines) + "\n").encode())
     _write(output / "replication.json", (json.dumps(result, indent=2) + "\n").encode())
 
@@ -191,11 +348,15 @@ def write_report(result: dict, output: Path) -> None:
 
     figure, axis = plt.subplots(figsize=(7, 4))
     steps = [row["step"] for row in result["rows"]]
-    for key, label in (("ours", "ours"), ("reference", result["reference"])):
-        axis.plot(steps, [row[key] for row in result["rows"]], marker="o", label=label)
+    axis.fill_between(steps, [row["low"] for row in result["rows"]], [row["high"] for row in result["rows"]],
+                      alpha=0.2, label="bounds")
+    for index in range(len(result["references"])):
+        axis.plot(steps, [row["references"][index] for row in result["rows"]], color="grey", alpha=0.6,
+                  label="references" if index == 0 else None)
+    axis.plot(steps, [row["ours"] for row in result["rows"]], marker="o", color="C1", label="ours")
     axis.set_xlabel("step")
     axis.set_ylabel("loss on the batch of the step")
-    axis.set_title(f"largest gap {largest['gap']:+.4f} at step {largest['step']}")
+    axis.set_title("pass" if result["passed"] else f"FAIL at step {result['first_failed_step']}")
     axis.legend()
     axis.grid(alpha=0.3)
     staging = output / f".replication.png.{os.getpid()}.tmp"
@@ -226,27 +387,56 @@ def parse_steps(text: str | None) -> list[int] | None:
     return steps
 
 
-def main(argv: list[str] | None = None) -> None:
+def resolve_device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: no CUDA GPU is visible here: score on --device cpu or on a GPU machine.")
+    return device
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cram.eval.replication", description=__doc__.split("\n")[0])
-    parser.add_argument("run_dir", help="the --output-dir of a finished run of recipes/pythia.py")
-    parser.add_argument("--reference", required=True,
-                        help="a Hub repository with stepN revisions (EleutherAI/pythia-160m), a local folder of "
-                             "stepN revisions, or another run's --output-dir")
+    parser.add_argument("run_dir", help="the --output-dir of a run of recipes/pythia.py")
+    parser.add_argument("--reference", action="append", required=True,
+                        help="released (the released seeds of the run's size), a Hub repository with stepN revisions "
+                             "(EleutherAI/pythia-160m), a local folder of stepN revisions, or another run's "
+                             "--output-dir; give it several times for several references")
     parser.add_argument("--data", required=True, help="the run's data (a Megatron prefix or any source it read)")
     parser.add_argument("--tokenizer", default=None, help="the data's tokenizer; unset means the run's")
-    parser.add_argument("--steps", default=None, help="steps to compare, e.g. 1000,2000; unset: every step saved")
+    parser.add_argument("--steps", default=None,
+                        help="steps to compare, e.g. 1000,2000; unset: every step our run kept that all references "
+                             "have")
     parser.add_argument("--sequences", type=int, default=None,
                         help="sequences of each step's batch to score (from its first); unset: the whole batch")
+    parser.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
+                        help="nats the references' min … max is widened by on each side (several references)")
+    parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
+                        help="nats our loss may lie from a single reference's")
+    parser.add_argument("--device", default="cpu", help="where to score: cpu, cuda or cuda:N")
+    parser.add_argument("--precision", default="auto", choices=("auto", *PRECISION_DTYPES),
+                        help="the scoring arithmetic: auto is the run's recipe precision (fp16; bf16 for pythia-1b) "
+                             "on a GPU and fp32 on the CPU; the weights are read as saved either way")
+    parser.add_argument("--micro-batch-size", type=int, default=8, help="sequences per forward pass")
     parser.add_argument("--output", default=None, help="where to write the report; unset: RUN_DIR/replication")
     args = parser.parse_args(argv)
+    if args.margin < 0 or args.tolerance < 0:
+        raise UserError("--margin and --tolerance cannot be negative: give the nats allowed, e.g. 0.05.")
     run = read_run(Path(args.run_dir))
-    reference = Revisions(args.reference)
-    steps = check_steps(Revisions(args.run_dir), reference, parse_steps(args.steps))
-    result = compare(run, reference, steps, args.data, args.tokenizer, args.sequences)
+    device = resolve_device(args.device)
+    locations = [name for location in args.reference
+                 for name in (released_references(run.size) if location == "released" else [location])]
+    references = [Revisions(location) for location in locations]
+    steps, skipped = choose_steps(Revisions(args.run_dir), references, parse_steps(args.steps))
+    result = compare(run, references, steps, args.data, args.tokenizer, args.sequences, margin=args.margin,
+                     tolerance=args.tolerance, device=device,
+                     dtype=scoring_dtype(args.precision, device, run.precision),
+                     micro_batch_size=args.micro_batch_size)
+    result["skipped_steps"] = skipped
     output = Path(args.output) if args.output else run.folder / "replication"
     write_report(result, output)
     print((output / "replication.md").read_text())
+    return 0 if result["passed"] else 1
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    run_cli(lambda: sys.exit(main()))

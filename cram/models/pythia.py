@@ -57,7 +57,8 @@ PYTHIA_SIZES: dict[str, PythiaSize] = {
 SEQUENCE_LENGTH = 2048
 TRAIN_STEPS = 143_000  # pythia-*.yml: train-iters and lr-decay-iters
 GLOBAL_BATCH = 1024  # sequences per optimizer step
-# Released checkpoints: step 0, powers of two to 512, then every 1000 steps: 154 in all, Hub revisions "stepN".
+# Released checkpoints, Hub revisions "stepN": pythia-*.yml's extra-save-iters [0, 1, 2, 4 … 512], then every
+# checkpoint-factor (1000) steps to train-iters: 154 in all (Pythia README, "154 checkpoints").
 CHECKPOINT_STEPS: tuple[int, ...] = (0, *(2**power for power in range(10)), *range(1000, TRAIN_STEPS + 1, 1000))
 NEOX_INIT_STD = 0.02  # GPT-NeoX v1.0 neox_args.py: init_method_std
 

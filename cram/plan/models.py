@@ -35,7 +35,9 @@ class Recipe:
     seq_len: int
     steps: int | None  # None: a wall-clock budget decides the length instead
     budget_hours: float | None = None
-    checkpoint_steps: tuple[int, ...] = ()  # training states saved at these steps, besides the time-based ones
+    # Steps the model is saved at besides the time-based training states (Pythia's revisions), each counted at a
+    # training state's measured save time: an upper bound, as a revision holds the model alone.
+    checkpoint_steps: tuple[int, ...] = ()
     ramp_end: float | None = None  # the budget fraction at which the batch ramp reaches the full batch; None: none
 
 

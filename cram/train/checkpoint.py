@@ -157,7 +157,11 @@ class Checkpointer:
             return False
         return time_due or bool(self.every_steps and state.optimizer_steps % self.every_steps == 0)
 
-    def save(self, state: TrainState) -> Path:
+    def save(self, state: TrainState) -> Path | None:
+        """What the loop calls when `due`: the training state."""
+        return self.save_state(state)
+
+    def save_state(self, state: TrainState) -> Path:
         """Write a checkpoint of `state`; every process must call this (sharded states are saved collectively)."""
         target = self.directory / f"step-{state.optimizer_steps:08d}"
         staging = target.with_name(target.name + ".tmp")
@@ -184,7 +188,7 @@ class Checkpointer:
         """After a stop signal: save the state (unless this step's is saved), end every process together and say
         how to go on. The caller then leaves with `preemption.leave()`."""
         if self.last_saved_step != state.optimizer_steps:
-            self.save(state)
+            self.save_state(state)
         main_process = self.accelerator.is_main_process  # shut_down forgets which process this is
         shut_down(self.accelerator)
         if main_process:

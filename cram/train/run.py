@@ -37,6 +37,7 @@ from cram.train.loop import train
 from cram.train.optim import optimizer_state_bytes
 from cram.train.preemption import Preemption
 from cram.train.ramp import Pace
+from cram.train.revisions import REVISIONS_FOLDER, RevisionSaver, linked_copy, revisions_disk_line
 from cram.train.runtime import (
     COLLECTIVE_TIMEOUT_MINUTES,
     build_accelerator,
@@ -236,13 +237,12 @@ class RecipeRun:
 
     def checkpointer(
         self, state: TrainState, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
-        card: Callable[[TrainState], ModelCardFacts], *,
-        revision_at: Callable[[TrainState, Path], str | None] = lambda state, saved: saved.name,
-        also_at: Collection[int] = (),
+        card: Callable[[TrainState], ModelCardFacts], *, revisions_at: Collection[int] | None = None,
     ) -> Checkpointer:
-        """Periodic training states, and one at each step in `also_at` (step 0: before training, in a fresh run);
-        after each, the curves plot and (with --push-checkpoints) the model pushed to the Hub revision
-        `revision_at(state, saved)` (None: not this one). Installs the preemption handler."""
+        """Periodic training states, each followed by the curves plot. Without `revisions_at`, --push-checkpoints
+        pushes each state's model to the Hub revision named for its folder; with it, the model is exported at those
+        steps to OUTPUT_DIR/revisions/stepN (step 0: before training, in a fresh run), and --push-checkpoints pushes
+        those as the revisions stepN, as the released Pythia models have them. Installs the preemption handler."""
         options = self.options
         if options.push_checkpoints:
             self.pusher = BackgroundPusher(options.push_to_hub, private=not options.hub_public)
@@ -250,12 +250,22 @@ class RecipeRun:
         def after_save(state: TrainState, saved: Path) -> None:
             if self.is_main_process:
                 write_training_curves(state.history, self.output_dir / CURVES_FILE)
-            revision = revision_at(state, saved) if options.push_checkpoints else None
-            if revision is not None:
-                self.push_checkpoint_model(state, saved, model, tokenizer, card, revision)
+            if options.push_checkpoints and revisions_at is None:
+                self.push_checkpoint_model(state, model, tokenizer, card, saved.name)
 
+        revisions = None
+        if revisions_at is not None:
+            revisions = RevisionSaver(
+                self.accelerator, model, tokenizer, lambda: self.resolved, self.output_dir / REVISIONS_FOLDER,
+                revisions_at, publish=self.push_revision(card) if options.push_checkpoints else None,
+                resumed_at=state.optimizer_steps if self.resume_from else None,
+            )
+            if self.is_main_process:
+                dtype = next(self.accelerator.unwrap_model(model).parameters()).dtype
+                print(revisions_disk_line(sorted(revisions.steps - revisions.saved), self.parameters, dtype,
+                                          revisions.directory))
         checkpointer = ScheduledCheckpointer(
-            also_at, self.accelerator, self.output_dir / "checkpoints", self.facts,
+            revisions, self.accelerator, self.output_dir / "checkpoints", self.facts,
             every_steps=options.checkpoint_every,
             every_seconds=options.checkpoint_every_minutes * 60,
             keep=options.keep_checkpoints,
@@ -263,8 +273,8 @@ class RecipeRun:
             resumed_at=state.optimizer_steps if self.resume_from else None,
         )
         self.preemption = Preemption().install()
-        if 0 in also_at and state.optimizer_steps == 0:
-            checkpointer.save(state)
+        if revisions is not None and revisions.due(state):
+            revisions.save(state)  # step 0, which the loop never asks about
         return checkpointer
 
     def train(
@@ -280,7 +290,7 @@ class RecipeRun:
         )
 
     def push_checkpoint_model(
-        self, state: TrainState, saved: Path, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
+        self, state: TrainState, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
         card: Callable[[TrainState], ModelCardFacts], revision: str,
     ) -> None:
         """The model at this step, as a plain checkpoint, to the Hub revision `revision` (every process calls it;
@@ -291,6 +301,19 @@ class RecipeRun:
             return
         write_model_card(exported, card(state))
         self.pusher.submit(exported, revision=revision)
+
+    def push_revision(self, card: Callable[[TrainState], ModelCardFacts]) -> Callable[[TrainState, Path, str], None]:
+        """What a `RevisionSaver` calls after each export: push a linked copy of it (the pusher deletes what it
+        pushed; the revision stays on disk) with its model card to the Hub revision of its name, from rank 0."""
+
+        def publish(state: TrainState, exported: Path, revision: str) -> None:
+            if not self.is_main_process:
+                return
+            upload = linked_copy(exported, self.output_dir / "hub-uploads" / revision)
+            write_model_card(upload, card(state))
+            self.pusher.submit(upload, revision=revision)
+
+        return publish
 
     def finish(
         self, state: TrainState, finished: bool, checkpointer: Checkpointer, model: torch.nn.Module,
@@ -321,15 +344,22 @@ class RecipeRun:
 
 
 class ScheduledCheckpointer(Checkpointer):
-    """A `Checkpointer` that also saves at listed steps (Pythia's 154 released checkpoints)."""
+    """A `Checkpointer` that also exports the model at the steps of `revisions` (Pythia's 154 released checkpoints);
+    at those steps the training state is saved only where its own interval makes it due."""
 
-    def __init__(self, steps: Collection[int], *args, **kwargs):
+    def __init__(self, revisions: RevisionSaver | None, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.steps = frozenset(steps)
+        self.revisions = revisions
+        self._state_due = False
 
     def due(self, state: TrainState, time_due: bool) -> bool:
-        scheduled = state.optimizer_steps in self.steps and state.optimizer_steps != self.last_saved_step
-        return scheduled or super().due(state, time_due)
+        self._state_due = super().due(state, time_due)
+        return self._state_due or (self.revisions is not None and self.revisions.due(state))
+
+    def save(self, state: TrainState) -> Path | None:
+        if self.revisions is not None and self.revisions.due(state):
+            self.revisions.save(state)
+        return self.save_state(state) if self._state_due else None
 
 
 def write_summary(
