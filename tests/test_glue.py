@@ -20,6 +20,7 @@ import pytest
 import torch
 from datasets import Dataset
 from glue_fixtures import write_glue_dir
+from huggingface_hub import ModelCard
 from launching import run_recipe_in_process
 from safetensors.torch import load_file
 from transformers import (
@@ -264,7 +265,8 @@ def test_an_output_folder_of_other_options_is_refused(glue_run, glue_dir, tmp_pa
     arguments = ["--model", glue_run["checkpoint"], "--glue-dir", glue_dir, "--tasks", "sst2,stsb,mnli",
                  "--output-dir", output_dir, *LEARNING]
     changed_lr = [*arguments, "--lr", "1e-3"]  # the last value given wins
-    assert "holds results of an evaluation with other options" in run_in_process(monkeypatch, capsys, changed_lr)
+    assert "holds GLUE results fine-tuned with --lr 0.002, not --lr 0.001: give another --output-dir, or --fresh" in (
+        run_in_process(monkeypatch, capsys, changed_lr))
     assert {path: path.read_bytes() for path in output_dir.rglob("*") if path.is_file()} == before
 
 
@@ -312,3 +314,60 @@ def test_a_default_run_fine_tunes_with_the_glue_sane_protocol(crammed_checkpoint
     regression = glue_module.build_model(evaluation, TASKS["stsb"])
     assert regression.config.problem_type == "regression" and regression.config.num_labels == 1
     assert (checkpoint / "eval_results.json").is_file()  # --write-eval-results defaults to true
+
+
+def evaluate_in_process(monkeypatch, arguments: list) -> dict:
+    """recipes/glue.py's parse, check and evaluation in this process (its import and the launcher cost more than
+    a small evaluation); returns the summary."""
+    parser = HfArgumentParser((glue_module.GlueOptions, glue_module.GlueRunOptions))
+    monkeypatch.setattr(sys, "argv", ["glue.py", *map(str, arguments)])
+    return glue_module.evaluate(glue_module.prepare_evaluation(*parse_strictly(parser)))
+
+
+def folder_contents(folder: Path) -> dict[Path, bytes]:
+    return {path: path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+@pytest.mark.slow
+def test_a_new_model_at_the_same_path_never_gets_the_earlier_models_results(
+    glue_run, glue_dir, tmp_path, monkeypatch, capsys
+):
+    # The shared evaluation's folder, and its model's files at another path: the same model, so all is reused.
+    checkpoint = shutil.copytree(glue_run["checkpoint"], tmp_path / "final")
+    output_dir = shutil.copytree(glue_run["output_dir"], tmp_path / "out")
+    arguments = ["--model", checkpoint, "--glue-dir", glue_dir, "--tasks", "sst2,stsb,mnli", "--seeds", "2",
+                 "--output-dir", output_dir, *LEARNING]
+    capsys.readouterr()
+    evaluate_in_process(monkeypatch, arguments)
+    assert capsys.readouterr().out.count(": cached in ") == 4
+
+    # A model of another width trained into the same folder (its card kept, as a new run writes one too).
+    card = (checkpoint / "README.md").read_bytes()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    shutil.rmtree(checkpoint)
+    config = CrammedBertConfig.from_preset("tiny", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128)
+    torch.manual_seed(0)
+    CrammedBertForMaskedLM(config).save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    (checkpoint / "README.md").write_bytes(card)
+    capsys.readouterr()  # the progress bar of saving it
+    before = folder_contents(output_dir) | folder_contents(checkpoint)
+    error = run_in_process(monkeypatch, capsys, arguments)
+    assert f"{output_dir} holds GLUE results of another model than the files now at {checkpoint}: give another " \
+           "--output-dir, or --fresh to discard them and evaluate afresh." in error
+    assert folder_contents(output_dir) | folder_contents(checkpoint) == before  # nothing written anywhere
+
+    # --fresh evaluates the new model alone: its numbers, and none of the earlier model's, reach its folder.
+    quick = ["--model", checkpoint, "--glue-dir", glue_dir, "--tasks", "rte", "--seeds", "1",
+             "--max-train-examples", "8", "--output-dir", output_dir, "--fresh", "true", *QUICK]
+    evaluate_in_process(monkeypatch, quick)
+    assert [path.name for path in (output_dir / "results").iterdir()] == ["rte-seed0.json"]
+    result = json.loads((output_dir / "results" / "rte-seed0.json").read_text())
+    wide, narrow = (AutoModelForSequenceClassification.from_pretrained(path, num_labels=2).num_parameters()
+                    for path in (glue_run["checkpoint"], checkpoint))
+    assert wide != narrow and result["total_parameters"] == narrow
+    written = {"rte": result["dev"]["rte"]["accuracy"]}
+    assert json.loads((checkpoint / "eval_results.json").read_text()) == written
+    assert set(json.loads((output_dir / "glue.json").read_text())["summary"]) == {"rte"}
+    entries = ModelCard.load(checkpoint / "README.md").data.eval_results
+    assert {(entry.dataset_config, entry.metric_value) for entry in entries} == {("rte", written["rte"])}
