@@ -3,6 +3,7 @@
 One tiny crammed checkpoint is made per session by the cram recipe; one evaluation of it over three fixture tasks
 (SST-2: single sentence; STS-B: pair, regression; MNLI: 3 classes, two dev sets) is shared by the tests that read
 its report. That evaluation trains long enough to learn the fixture's SST-2 and STS-B, so it proves learning too.
+One more launch, on 2 processes, checks that they predict and score as one does.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from datasets import Dataset
 from glue_fixtures import write_glue_dir
 from huggingface_hub import ModelCard
-from launching import run_recipe_in_process
+from launching import accelerate_launch, run_recipe_in_process
 from safetensors.torch import load_file
 from transformers import (
     AutoModelForSequenceClassification,
@@ -41,7 +42,6 @@ from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "glue.py"
-ACCELERATE = Path(sys.executable).with_name("accelerate")
 # A quick protocol for tests: one epoch over 24 examples, fp32 so results do not depend on the CPU's bf16 units.
 QUICK = ["--epochs", "1", "--precision", "fp32", "--batch-size", "8"]
 # The shared evaluation: 48 steps at lr 2e-3 separate the fixture's SST-2 classes and fit its STS-B scores (every
@@ -50,10 +50,12 @@ QUICK = ["--epochs", "1", "--precision", "fp32", "--batch-size", "8"]
 LEARNING = ["--epochs", "16", "--lr", "2e-3", "--precision", "fp32", "--batch-size", "8"]
 
 
-def launch_glue(arguments: list, env: dict, launcher: bool = True) -> subprocess.CompletedProcess:
-    """recipes/glue.py through `accelerate launch` with the CPU config, or (launcher=False) as a plain script,
+def launch_glue(
+    arguments: list, env: dict, launcher: bool = True, config: str = "cpu.yaml"
+) -> subprocess.CompletedProcess:
+    """recipes/glue.py through `accelerate launch` with a CPU config, or (launcher=False) as a plain script,
     which saves the launcher's start-up where the launch itself is not what a test checks."""
-    launch = [ACCELERATE, "launch", "-q", "--config_file", REPO / "accel_configs" / "cpu.yaml"]
+    launch = accelerate_launch(REPO / "accel_configs" / config)
     command = [*(launch if launcher else [sys.executable]), RECIPE, *arguments]
     completed = subprocess.run([str(part) for part in command], env=env, capture_output=True, text=True, timeout=900)
     assert completed.returncode == 0, completed.stderr[-3000:]
@@ -371,3 +373,82 @@ def test_a_new_model_at_the_same_path_never_gets_the_earlier_models_results(
     assert set(json.loads((output_dir / "glue.json").read_text())["summary"]) == {"rte"}
     entries = ModelCard.load(checkpoint / "README.md").data.eval_results
     assert {(entry.dataset_config, entry.metric_value) for entry in entries} == {("rte", written["rte"])}
+
+
+def runs_of_text(ids: list[int], specials: set[int]) -> list[tuple[int, ...]]:
+    """The stretches of text tokens between special tokens: (first text, second text) for a pair."""
+    runs, current = [], []
+    for token in [*ids, None]:
+        if token is None or token in specials:
+            if current:
+                runs.append(tuple(current))
+            current = []
+        else:
+            current.append(token)
+    return runs
+
+
+@pytest.mark.slow
+def test_both_texts_of_a_pair_reach_the_model_and_training_sees_only_the_first_examples(
+    crammed_checkpoint, glue_dir, tmp_path, monkeypatch
+):
+    """What the model is called with, batch by batch: in training, the first --max-train-examples pairs, each once
+    an epoch; in evaluation every dev pair; each as both texts, a special token between them."""
+    seen: dict[str, list] = {"train": [], "dev": []}
+
+    def record(part: str, inputs: dict) -> None:
+        for ids, mask in zip(inputs["input_ids"].tolist(), inputs["attention_mask"].tolist(), strict=True):
+            seen[part].append([token for token, keep in zip(ids, mask, strict=True) if keep])
+
+    class RecordingTrainer(Trainer):
+        def training_step(self, model, inputs, *args, **kwargs):
+            record("train", inputs)
+            return super().training_step(model, inputs, *args, **kwargs)
+
+        def prediction_step(self, model, inputs, *args, **kwargs):
+            record("dev", inputs)
+            return super().prediction_step(model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(glue_module, "Trainer", RecordingTrainer)
+    evaluate_in_process(monkeypatch, [
+        "--model", crammed_checkpoint, "--glue-dir", glue_dir, "--tasks", "stsb", "--seeds", "1",
+        "--max-train-examples", "6", "--epochs", "2", "--batch-size", "2", "--precision", "fp32",
+        "--output-dir", tmp_path / "out", "--write-eval-results", "false"])
+
+    tokenizer = AutoTokenizer.from_pretrained(crammed_checkpoint)
+    specials = set(tokenizer.all_special_ids) - {tokenizer.unk_token_id}
+
+    def as_texts(text_a: str, text_b: str) -> list[tuple[int, ...]]:
+        return [tuple(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in (text_a, text_b)]
+
+    data = load_task(TASKS["stsb"], str(glue_dir))
+    first_six = [as_texts(a, b) for a, b in zip(data.train["text_a"][:6], data.train["text_b"][:6], strict=True)]
+    assert len(data.train) == 24  # the cap, not the data, stops at 6
+    train_seen = [runs_of_text(ids, specials) for ids in seen["train"]]
+    assert sorted(train_seen) == sorted(first_six * 2)  # 2 epochs
+    dev_pairs = [as_texts(a, b) for a, b in zip(data.dev["stsb"]["text_a"], data.dev["stsb"]["text_b"], strict=True)]
+    assert sorted(runs_of_text(ids, specials) for ids in seen["dev"]) == sorted(dev_pairs)
+    result = json.loads((tmp_path / "out" / "results" / "stsb-seed0.json").read_text())
+    assert result["train_examples"] == 6 and result["optimizer_steps"] == 6  # 3 batches of 2, 2 epochs
+
+
+@pytest.mark.slow
+def test_two_processes_predict_and_score_as_one_with_each_dev_example_gathered_once(
+    crammed_checkpoint, recipe_env, tmp_path, monkeypatch
+):
+    # 25 dev rows in batches of 4: 7 batches, which 2 processes share unevenly, so Accelerate pads the last round
+    # with repeated rows; 8 training examples in batches of 8, so each step sees all of them in any order. Dropout
+    # is off: each process would draw its own masks.
+    glue_dir = write_glue_dir(tmp_path / "glue", train=24, dev=25)
+    common = ["--model", crammed_checkpoint, "--glue-dir", glue_dir, "--tasks", "mrpc", "--seeds", "1",
+              "--max-train-examples", "8", "--epochs", "3", "--lr", "2e-3", "--dropout", "0", "--batch-size", "8",
+              "--eval-batch-size", "4", "--precision", "fp32", "--write-eval-results", "false"]
+    launch_glue([*common, "--output-dir", tmp_path / "two"], recipe_env, config="cpu-ddp.yaml")
+    evaluate_in_process(monkeypatch, [*common, "--output-dir", tmp_path / "one"])
+    two, one = (json.loads((tmp_path / name / "results" / "mrpc-seed0.json").read_text()) for name in ("two", "one"))
+    assert len(two["predictions"]["mrpc"]) == 25
+    assert two["predictions"] == one["predictions"]
+    assert two["dev"]["mrpc"] == pytest.approx(one["dev"]["mrpc"])
+    assert two["train_examples"] == one["train_examples"] == 8
+    assert two["optimizer_steps"] == one["optimizer_steps"] == 3
+    assert two["train_loss"] == pytest.approx(one["train_loss"], rel=1e-4)
