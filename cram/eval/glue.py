@@ -120,6 +120,12 @@ class Evaluation:
     model_digest: str  # what was evaluated: see `model_digest`
 
 
+def launch_state() -> PartialState:
+    """The launch's processes. On the CPU Accelerate needs `cpu=True` to join them: without it, every process of a
+    multi-process CPU launch took itself for the only one (each the main process, each with the whole batch)."""
+    return PartialState(cpu=launch_device_type() == "cpu")
+
+
 def seeds_for(task: GlueTask, options: GlueOptions) -> list[int]:
     return list(range(options.seeds if task.name in SMALL_TASKS else options.large_task_seeds))
 
@@ -139,7 +145,7 @@ def prepare_evaluation(options: GlueOptions, run: GlueRunOptions) -> Evaluation:
         raise UserError(f"--lora-r {options.lora_r} is negative: give a rank such as 8, or 0 for full fine-tuning.")
     if options.glue_dir is not None and not Path(options.glue_dir).is_dir():
         raise UserError(f"the GLUE folder {options.glue_dir} does not exist: give the original GLUE download's folder.")
-    num_processes = PartialState().num_processes
+    num_processes = launch_state().num_processes
     if options.batch_size % num_processes:
         raise UserError(
             f"--batch-size {options.batch_size} does not divide among {num_processes} processes: give a multiple of "
@@ -339,7 +345,7 @@ def training_arguments(evaluation: Evaluation, task: GlueTask, seed: int, num_pr
 def fine_tune(evaluation: Evaluation, data: TaskData, seed: int) -> dict:
     """Fine-tune a fresh copy on the task's training set with `seed`, and score every dev set."""
     task = data.task
-    state = PartialState()
+    state = launch_state()
     arguments = training_arguments(evaluation, task, seed, state.num_processes)
     torch.manual_seed(seed)  # the new head's initialisation depends on the seed too
     model = build_model(evaluation, task)
@@ -376,7 +382,7 @@ def fine_tune(evaluation: Evaluation, data: TaskData, seed: int) -> dict:
 
 def evaluate(evaluation: Evaluation) -> dict:
     """Run every (task, seed) not already cached, then write the report; returns the summary."""
-    state = PartialState()
+    state = launch_state()
     if state.device.type == "cuda":
         enable_tf32()
     else:
