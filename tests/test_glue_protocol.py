@@ -8,6 +8,7 @@ import shutil
 from dataclasses import fields, replace
 from pathlib import Path
 
+import huggingface_hub
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from cram.eval.glue import (
     GlueOptions,
     GlueRunOptions,
     check_cache_owner,
+    hub_commit,
     model_digest,
     options_fingerprint,
     prepare_evaluation,
@@ -122,6 +124,19 @@ def test_the_cache_knows_a_model_by_its_files_not_by_its_path(tmp_path):
         assert model_digest(str(changed)) != digest, name
     # A Hub name is known by the commit it resolved to.
     assert model_digest("org/bert", "abc") != model_digest("org/bert", "abd")
+
+
+def test_a_hub_models_commit_is_read_from_the_local_cache(tmp_path, monkeypatch):
+    # The cache's layout (huggingface_hub's file_download.py): refs/main names the snapshot folder of that commit.
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "models--org--bert"
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "snapshots" / commit / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    assert hub_commit("org/bert") == commit
+    assert hub_commit("org/not-downloaded") is None
 
 
 def test_every_protocol_option_and_no_selection_or_speed_option_is_in_the_cache_key():

@@ -155,7 +155,7 @@ def prepare_evaluation(options: GlueOptions, run: GlueRunOptions) -> Evaluation:
     tokenizer = load_tokenizer(options.model, config)
     device_type = launch_device_type()
     data = [load_task(task, options.glue_dir) for task in tasks]
-    digest = model_digest(options.model, getattr(config, "_commit_hash", None))
+    digest = model_digest(options.model, None if Path(options.model).is_dir() else hub_commit(options.model))
     if not run.fresh:
         check_cache_owner(options, digest, Path(run.output_dir))
     return Evaluation(
@@ -216,6 +216,14 @@ def model_digest(model: str, hub_commit: str | None = None) -> str:
         with open(path, "rb") as file:
             digest.update(hashlib.file_digest(file, "sha256").digest())
     return digest.hexdigest()[:16]
+
+
+def hub_commit(model: str) -> str | None:
+    """The commit of the Hub model `model` that the local cache holds, where loading its config just put it."""
+    from huggingface_hub import try_to_load_from_cache
+
+    resolved = try_to_load_from_cache(model, "config.json")
+    return Path(resolved).parent.name if isinstance(resolved, str) else None  # …/snapshots/COMMIT/config.json
 
 
 def protocol_options(options: GlueOptions) -> dict:
