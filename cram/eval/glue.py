@@ -121,8 +121,8 @@ class Evaluation:
 
 
 def launch_state() -> PartialState:
-    """The launch's processes. On the CPU Accelerate needs `cpu=True` to join them: without it, every process of a
-    multi-process CPU launch took itself for the only one (each the main process, each with the whole batch)."""
+    """The launch's processes. On the CPU Accelerate needs `cpu=True` to join them: without it, each process of a
+    multi-process CPU launch counts itself the only one (each the main process, each with the whole batch)."""
     return PartialState(cpu=launch_device_type() == "cpu")
 
 
@@ -201,12 +201,12 @@ SELECTION_OPTIONS = ("tasks", "seeds", "large_task_seeds", "model")
 EVALUATION_OUTPUTS = ("eval_results.json", "README.md")
 
 
-def model_digest(model: str, hub_commit: str | None = None) -> str:
+def model_digest(model: str, commit: str | None = None) -> str:
     """What is evaluated: for a checkpoint folder, a hash of its files (weights, config, tokenizer, the recipe's
-    options); for a Hub name, the name at the commit it resolved to (`hub_commit`)."""
+    options); for a Hub name, the name at the `commit` it resolved to."""
     folder = Path(model)
     if not folder.is_dir():
-        return f"{model}@{hub_commit or 'unknown revision'}"
+        return f"{model}@{commit or 'unknown revision'}"
     digest = hashlib.sha256()
     for path in sorted(folder.iterdir()):
         # Dot files are staging files of an interrupted write (ours, or a save in progress), not the model.
