@@ -7,7 +7,8 @@
 Every task starts from a fresh copy of the checkpoint and follows the "GLUE-sane" protocol of the cramming paper
 (every value an option). The report lands in OUTPUT_DIR (glue.md, glue.json, glue.png) and, for a local
 checkpoint, as eval_results.json beside it, which `cram.hub` pushes with the model. Finished tasks are cached in
-OUTPUT_DIR/results, so running the same command again continues an interrupted evaluation.
+OUTPUT_DIR/results under the checkpoint's files and the protocol, so running the same command again continues an
+interrupted evaluation; a folder holding another model's or protocol's results is refused (--fresh starts over).
 """
 
 from __future__ import annotations

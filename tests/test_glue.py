@@ -3,6 +3,7 @@
 One tiny crammed checkpoint is made per session by the cram recipe; one evaluation of it over three fixture tasks
 (SST-2: single sentence; STS-B: pair, regression; MNLI: 3 classes, two dev sets) is shared by the tests that read
 its report. That evaluation trains long enough to learn the fixture's SST-2 and STS-B, so it proves learning too.
+One more launch, on 2 processes, checks that they predict and score as one does.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import pytest
 import torch
 from datasets import Dataset
 from glue_fixtures import write_glue_dir
-from launching import run_recipe_in_process
+from huggingface_hub import ModelCard
+from launching import accelerate_launch, run_recipe_in_process
 from safetensors.torch import load_file
 from transformers import (
     AutoModelForSequenceClassification,
@@ -40,7 +42,6 @@ from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "glue.py"
-ACCELERATE = Path(sys.executable).with_name("accelerate")
 # A quick protocol for tests: one epoch over 24 examples, fp32 so results do not depend on the CPU's bf16 units.
 QUICK = ["--epochs", "1", "--precision", "fp32", "--batch-size", "8"]
 # The shared evaluation: 48 steps at lr 2e-3 separate the fixture's SST-2 classes and fit its STS-B scores (every
@@ -49,10 +50,12 @@ QUICK = ["--epochs", "1", "--precision", "fp32", "--batch-size", "8"]
 LEARNING = ["--epochs", "16", "--lr", "2e-3", "--precision", "fp32", "--batch-size", "8"]
 
 
-def launch_glue(arguments: list, env: dict, launcher: bool = True) -> subprocess.CompletedProcess:
-    """recipes/glue.py through `accelerate launch` with the CPU config, or (launcher=False) as a plain script,
+def launch_glue(
+    arguments: list, env: dict, launcher: bool = True, config: str = "cpu.yaml"
+) -> subprocess.CompletedProcess:
+    """recipes/glue.py through `accelerate launch` with a CPU config, or (launcher=False) as a plain script,
     which saves the launcher's start-up where the launch itself is not what a test checks."""
-    launch = [ACCELERATE, "launch", "-q", "--config_file", REPO / "accel_configs" / "cpu.yaml"]
+    launch = accelerate_launch(REPO / "accel_configs" / config)
     command = [*(launch if launcher else [sys.executable]), RECIPE, *arguments]
     completed = subprocess.run([str(part) for part in command], env=env, capture_output=True, text=True, timeout=900)
     assert completed.returncode == 0, completed.stderr[-3000:]
@@ -94,7 +97,7 @@ def test_the_report_has_every_column_and_the_published_rows(glue_run):
     lines = (output_dir / "glue.md").read_text().splitlines()
     assert lines[0] == "| model | MNLI m/mm | QQP | QNLI | SST-2 | CoLA | STS-B | MRPC | RTE | avg |"
     ours = lines[2].split(" | ")
-    assert ours[0] == "| **ours**: final" and len(ours) == 10
+    assert ours[0] == "| **ours**: final (median over seeds)" and len(ours) == 10
     assert "/" in ours[1] and "–" not in ours[1]  # MNLI matched and mismatched both scored
     # Columns: MNLI, QQP, QNLI, SST-2, CoLA, STS-B, MRPC, RTE, avg; the average needs all 9 numbers.
     assert ours[2:4] == ["–", "–"] and "–" not in ours[4] and ours[5] == "–" and "–" not in ours[6]
@@ -264,7 +267,8 @@ def test_an_output_folder_of_other_options_is_refused(glue_run, glue_dir, tmp_pa
     arguments = ["--model", glue_run["checkpoint"], "--glue-dir", glue_dir, "--tasks", "sst2,stsb,mnli",
                  "--output-dir", output_dir, *LEARNING]
     changed_lr = [*arguments, "--lr", "1e-3"]  # the last value given wins
-    assert "holds results of an evaluation with other options" in run_in_process(monkeypatch, capsys, changed_lr)
+    assert "holds GLUE results fine-tuned with --lr 0.002, not --lr 0.001: give another --output-dir, or --fresh" in (
+        run_in_process(monkeypatch, capsys, changed_lr))
     assert {path: path.read_bytes() for path in output_dir.rglob("*") if path.is_file()} == before
 
 
@@ -312,3 +316,141 @@ def test_a_default_run_fine_tunes_with_the_glue_sane_protocol(crammed_checkpoint
     regression = glue_module.build_model(evaluation, TASKS["stsb"])
     assert regression.config.problem_type == "regression" and regression.config.num_labels == 1
     assert (checkpoint / "eval_results.json").is_file()  # --write-eval-results defaults to true
+
+
+def evaluate_in_process(monkeypatch, arguments: list) -> dict:
+    """recipes/glue.py's parse, check and evaluation in this process (its import and the launcher cost more than
+    a small evaluation); returns the summary."""
+    parser = HfArgumentParser((glue_module.GlueOptions, glue_module.GlueRunOptions))
+    monkeypatch.setattr(sys, "argv", ["glue.py", *map(str, arguments)])
+    return glue_module.evaluate(glue_module.prepare_evaluation(*parse_strictly(parser)))
+
+
+def folder_contents(folder: Path) -> dict[Path, bytes]:
+    return {path: path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+@pytest.mark.slow
+def test_a_new_model_at_the_same_path_never_gets_the_earlier_models_results(
+    glue_run, glue_dir, tmp_path, monkeypatch, capsys
+):
+    # The shared evaluation's folder, and its model's files at another path: the same model, so all is reused.
+    checkpoint = shutil.copytree(glue_run["checkpoint"], tmp_path / "final")
+    output_dir = shutil.copytree(glue_run["output_dir"], tmp_path / "out")
+    arguments = ["--model", checkpoint, "--glue-dir", glue_dir, "--tasks", "sst2,stsb,mnli", "--seeds", "2",
+                 "--output-dir", output_dir, *LEARNING]
+    capsys.readouterr()
+    evaluate_in_process(monkeypatch, arguments)
+    assert capsys.readouterr().out.count(": cached in ") == 4
+
+    # A model of another width trained into the same folder (its card kept, as a new run writes one too).
+    card = (checkpoint / "README.md").read_bytes()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    shutil.rmtree(checkpoint)
+    config = CrammedBertConfig.from_preset("tiny", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128)
+    torch.manual_seed(0)
+    CrammedBertForMaskedLM(config).save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    (checkpoint / "README.md").write_bytes(card)
+    capsys.readouterr()  # the progress bar of saving it
+    before = folder_contents(output_dir) | folder_contents(checkpoint)
+    error = run_in_process(monkeypatch, capsys, arguments)
+    assert f"{output_dir} holds GLUE results of another model than the files now at {checkpoint}: give another " \
+           "--output-dir, or --fresh to discard them and evaluate afresh." in error
+    assert folder_contents(output_dir) | folder_contents(checkpoint) == before  # nothing written anywhere
+
+    # --fresh evaluates the new model alone: its numbers, and none of the earlier model's, reach its folder.
+    quick = ["--model", checkpoint, "--glue-dir", glue_dir, "--tasks", "rte", "--seeds", "1",
+             "--max-train-examples", "8", "--output-dir", output_dir, "--fresh", "true", *QUICK]
+    evaluate_in_process(monkeypatch, quick)
+    assert [path.name for path in (output_dir / "results").iterdir()] == ["rte-seed0.json"]
+    result = json.loads((output_dir / "results" / "rte-seed0.json").read_text())
+    wide, narrow = (AutoModelForSequenceClassification.from_pretrained(path, num_labels=2).num_parameters()
+                    for path in (glue_run["checkpoint"], checkpoint))
+    assert wide != narrow and result["total_parameters"] == narrow
+    written = {"rte": result["dev"]["rte"]["accuracy"]}
+    assert json.loads((checkpoint / "eval_results.json").read_text()) == written
+    assert set(json.loads((output_dir / "glue.json").read_text())["summary"]) == {"rte"}
+    entries = ModelCard.load(checkpoint / "README.md").data.eval_results
+    assert {(entry.dataset_config, entry.metric_value) for entry in entries} == {("rte", written["rte"])}
+
+
+def runs_of_text(ids: list[int], specials: set[int]) -> list[tuple[int, ...]]:
+    """The stretches of text tokens between special tokens: (first text, second text) for a pair."""
+    runs, current = [], []
+    for token in [*ids, None]:
+        if token is None or token in specials:
+            if current:
+                runs.append(tuple(current))
+            current = []
+        else:
+            current.append(token)
+    return runs
+
+
+@pytest.mark.slow
+def test_both_texts_of_a_pair_reach_the_model_and_training_sees_only_the_first_examples(
+    crammed_checkpoint, glue_dir, tmp_path, monkeypatch
+):
+    """What the model is called with, batch by batch: in training, the first --max-train-examples pairs, each once
+    an epoch; in evaluation every dev pair; each as both texts, a special token between them."""
+    seen: dict[str, list] = {"train": [], "dev": []}
+
+    def record(part: str, inputs: dict) -> None:
+        for ids, mask in zip(inputs["input_ids"].tolist(), inputs["attention_mask"].tolist(), strict=True):
+            seen[part].append([token for token, keep in zip(ids, mask, strict=True) if keep])
+
+    class RecordingTrainer(Trainer):
+        def training_step(self, model, inputs, *args, **kwargs):
+            record("train", inputs)
+            return super().training_step(model, inputs, *args, **kwargs)
+
+        def prediction_step(self, model, inputs, *args, **kwargs):
+            record("dev", inputs)
+            return super().prediction_step(model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(glue_module, "Trainer", RecordingTrainer)
+    evaluate_in_process(monkeypatch, [
+        "--model", crammed_checkpoint, "--glue-dir", glue_dir, "--tasks", "stsb", "--seeds", "1",
+        "--max-train-examples", "6", "--epochs", "2", "--batch-size", "2", "--precision", "fp32",
+        "--output-dir", tmp_path / "out", "--write-eval-results", "false"])
+
+    tokenizer = AutoTokenizer.from_pretrained(crammed_checkpoint)
+    specials = set(tokenizer.all_special_ids) - {tokenizer.unk_token_id}
+
+    def as_texts(text_a: str, text_b: str) -> list[tuple[int, ...]]:
+        return [tuple(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in (text_a, text_b)]
+
+    data = load_task(TASKS["stsb"], str(glue_dir))
+    first_six = [as_texts(a, b) for a, b in zip(data.train["text_a"][:6], data.train["text_b"][:6], strict=True)]
+    assert len(data.train) == 24  # the cap, not the data, stops at 6
+    train_seen = [runs_of_text(ids, specials) for ids in seen["train"]]
+    assert sorted(train_seen) == sorted(first_six * 2)  # 2 epochs
+    dev_pairs = [as_texts(a, b) for a, b in zip(data.dev["stsb"]["text_a"], data.dev["stsb"]["text_b"], strict=True)]
+    assert sorted(runs_of_text(ids, specials) for ids in seen["dev"]) == sorted(dev_pairs)
+    result = json.loads((tmp_path / "out" / "results" / "stsb-seed0.json").read_text())
+    assert result["train_examples"] == 6 and result["optimizer_steps"] == 6  # 3 batches of 2, 2 epochs
+
+
+@pytest.mark.slow
+def test_two_processes_predict_and_score_as_one_with_each_dev_example_gathered_once(
+    crammed_checkpoint, recipe_env, tmp_path, monkeypatch
+):
+    # 25 dev rows in batches of 4: 7 batches, which 2 processes share unevenly, so Accelerate pads the last round
+    # with repeated rows. 16 training examples in batches of 8 (4 a process): 2 steps an epoch, each on the same
+    # 8 examples as one process takes (the shuffling is seeded alike). Dropout is off: each process would draw
+    # its own masks.
+    glue_dir = write_glue_dir(tmp_path / "glue", train=24, dev=25)
+    common = ["--model", crammed_checkpoint, "--glue-dir", glue_dir, "--tasks", "stsb", "--seeds", "1",
+              "--max-train-examples", "16", "--epochs", "2", "--lr", "2e-3", "--dropout", "0", "--batch-size", "8",
+              "--eval-batch-size", "4", "--precision", "fp32", "--write-eval-results", "false"]
+    launch_glue([*common, "--output-dir", tmp_path / "two"], recipe_env, config="cpu-ddp.yaml")
+    evaluate_in_process(monkeypatch, [*common, "--output-dir", tmp_path / "one"])
+    two, one = (json.loads((tmp_path / name / "results" / "stsb-seed0.json").read_text()) for name in ("two", "one"))
+    # STS-B's predictions are scores, which any difference in training or in the rows scored would move.
+    assert len(two["predictions"]["stsb"]) == 25
+    assert two["predictions"]["stsb"] == pytest.approx(one["predictions"]["stsb"], abs=1e-4)
+    assert two["dev"]["stsb"] == pytest.approx(one["dev"]["stsb"], abs=1e-4)
+    assert two["train_examples"] == one["train_examples"] == 16
+    assert two["optimizer_steps"] == one["optimizer_steps"] == 4
+    assert two["train_loss"] == pytest.approx(one["train_loss"], rel=1e-4)

@@ -4,14 +4,15 @@ The protocol defaults are the "GLUE-sane" ones of the cramming paper (REFERENCE.
 betas (0.9, 0.98), eps 1e-6, no weight decay, batch 16, cosine decay after 10 % warm-up, 5 epochs, max length 128,
 dropout 0.1, no gradient clipping. Batches are padded to their longest member (a multiple of 8), not to the max length.
 
-Each finished (task, seed) writes `OUTPUT_DIR/results/TASK-seedN.json`; an evaluation started again with the same
-options skips those and runs only what is missing.
+Each finished (task, seed) writes `OUTPUT_DIR/results/TASK-seedN.json`; an evaluation started again of the same
+checkpoint (by the digest of its files, not its path) with the same protocol skips those and runs only what is missing.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -108,6 +109,8 @@ class GlueRunOptions:
     compile: str = option("auto", "torch.compile: auto (on for GPUs that support it), true or false")
     eval_batch_size: int = option(128, "examples per evaluation batch")
     write_eval_results: bool = option(True, "also write eval_results.json beside a local checkpoint (for the Hub)")
+    fresh: bool = option(
+        False, "discard the output folder's results of an earlier evaluation (other model or protocol), start over")
 
 
 @dataclass
@@ -121,6 +124,13 @@ class Evaluation:
     tasks: list[TaskData]
     mixed_precision: str  # Accelerate's value: bf16, fp16 or no
     compile: bool
+    model_digest: str  # what was evaluated: see `model_digest`
+
+
+def launch_state() -> PartialState:
+    """The launch's processes. On the CPU Accelerate needs `cpu=True` to join them: without it, each process of a
+    multi-process CPU launch counts itself the only one (each the main process, each with the whole batch)."""
+    return PartialState(cpu=launch_device_type() == "cpu")
 
 
 def seeds_for(task: GlueTask, options: GlueOptions) -> list[int]:
@@ -142,7 +152,7 @@ def prepare_evaluation(options: GlueOptions, run: GlueRunOptions) -> Evaluation:
         raise UserError(f"--lora-r {options.lora_r} is negative: give a rank such as 8, or 0 for full fine-tuning.")
     if options.glue_dir is not None and not Path(options.glue_dir).is_dir():
         raise UserError(f"the GLUE folder {options.glue_dir} does not exist: give the original GLUE download's folder.")
-    num_processes = PartialState().num_processes
+    num_processes = launch_state().num_processes
     if options.batch_size % num_processes:
         raise UserError(
             f"--batch-size {options.batch_size} does not divide among {num_processes} processes: give a multiple of "
@@ -154,10 +164,12 @@ def prepare_evaluation(options: GlueOptions, run: GlueRunOptions) -> Evaluation:
         check_classification_token_first(tokenizer, options.model)
     device_type = launch_device_type()
     data = [load_task(task, options.glue_dir) for task in tasks]
-    check_cache_owner(options, Path(run.output_dir))
+    digest = model_digest(options.model, None if Path(options.model).is_dir() else hub_commit(options.model))
+    if not run.fresh:
+        check_cache_owner(options, digest, Path(run.output_dir))
     return Evaluation(
         options, run, tokenizer, config.model_type, data,
-        resolve_precision(run.precision, device_type), resolve_compile(run.compile, device_type),
+        resolve_precision(run.precision, device_type), resolve_compile(run.compile, device_type), digest,
     )
 
 
@@ -191,35 +203,96 @@ def load_tokenizer(model: str, config) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-# These choose which (task, seed) runs happen, not how one goes: changing them reuses the cached runs.
-SELECTION_OPTIONS = ("tasks", "seeds", "large_task_seeds")
+# These choose which (task, seed) runs happen, not how one goes: changing them reuses the cached runs. The model's
+# path is not what was evaluated either: its files are (`model_digest`).
+SELECTION_OPTIONS = ("tasks", "seeds", "large_task_seeds", "model")
+# What an evaluation itself writes beside a checkpoint: not part of the model it evaluated.
+EVALUATION_OUTPUTS = ("eval_results.json", "README.md")
 
 
-def options_fingerprint(options: GlueOptions) -> str:
-    """A hash of the options that change a single (task, seed) result."""
-    protocol = {name: value for name, value in asdict(options).items() if name not in SELECTION_OPTIONS}
-    return hashlib.sha256(json.dumps(protocol, sort_keys=True).encode()).hexdigest()[:16]
+def model_digest(model: str, commit: str | None = None) -> str:
+    """What is evaluated: for a checkpoint folder, a hash of its files (weights, config, tokenizer, the recipe's
+    options); for a Hub name, the name at the `commit` it resolved to."""
+    folder = Path(model)
+    if not folder.is_dir():
+        return f"{model}@{commit or 'unknown revision'}"
+    digest = hashlib.sha256()
+    for path in sorted(folder.iterdir()):
+        # Dot files are staging files of an interrupted write (ours, or a save in progress), not the model.
+        if not path.is_file() or path.name in EVALUATION_OUTPUTS or path.name.startswith("."):
+            continue
+        digest.update(path.name.encode() + b"\0")
+        with open(path, "rb") as file:
+            digest.update(hashlib.file_digest(file, "sha256").digest())
+    return digest.hexdigest()[:16]
 
 
-def check_cache_owner(options: GlueOptions, output_dir: Path) -> None:
-    """Refuse to mix cached results of another evaluation (other model, data or protocol) into this one."""
+def hub_commit(model: str) -> str | None:
+    """The commit of the Hub model `model` that the local cache holds, where loading its config just put it."""
+    from huggingface_hub import try_to_load_from_cache
+
+    resolved = try_to_load_from_cache(model, "config.json")
+    return Path(resolved).parent.name if isinstance(resolved, str) else None  # …/snapshots/COMMIT/config.json
+
+
+def protocol_options(options: GlueOptions) -> dict:
+    """The options that change a single (task, seed) result; speed-only ones are in GlueRunOptions."""
+    return {name: value for name, value in asdict(options).items() if name not in SELECTION_OPTIONS}
+
+
+def options_fingerprint(options: GlueOptions, digest: str) -> str:
+    """A hash of what one (task, seed) result depends on: the model's files and the protocol's options."""
+    key = {"model_digest": digest, **protocol_options(options)}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_cache_owner(options: GlueOptions, digest: str, output_dir: Path) -> None:
+    """Refuse to mix cached results of another evaluation (another model, data or protocol) into this one."""
     options_file = output_dir / OPTIONS_FILE
-    if options_file.is_file():
-        recorded = json.loads(options_file.read_text())
-        if recorded.get("fingerprint") != options_fingerprint(options):
-            raise UserError(
-                f"{output_dir} holds results of an evaluation with other options (model, data or protocol): give "
-                "another --output-dir, or delete that folder to start over."
-            )
+    fix = "give another --output-dir, or --fresh to discard them and evaluate afresh."
+    if not options_file.is_file():
+        if any((output_dir / RESULTS_DIR).glob("*.json")):
+            raise UserError(f"{output_dir} holds GLUE results of an unknown evaluation: {fix}")
+        return
+    recorded = json.loads(options_file.read_text())
+    if recorded.get("fingerprint") == options_fingerprint(options, digest):
+        return
+    if recorded.get("model_digest") != digest:
+        raise UserError(
+            f"{output_dir} holds GLUE results of another model than the files now at {options.model}: {fix}")
+    ours = protocol_options(options)
+    theirs = recorded.get("options", {})
+    changed = [name for name in ours if theirs.get(name) != ours[name]]
+
+    def flags(values: dict) -> str:
+        return " and ".join(
+            f"--{name.replace('_', '-')} {'unset' if values.get(name) is None else values[name]}" for name in changed)
+
+    if not changed:  # a record another version of this evaluation wrote
+        raise UserError(f"{output_dir} holds GLUE results of an evaluation with other options: {fix}")
+    raise UserError(f"{output_dir} holds GLUE results fine-tuned with {flags(theirs)}, not {flags(ours)}: {fix}")
+
+
+# Everything an evaluation writes into its output folder; --fresh removes these and nothing else there.
+OUTPUT_FILES = (OPTIONS_FILE, "glue.md", "glue.json", "glue.png")
+OUTPUT_FOLDERS = (RESULTS_DIR, "adapters", "trainer")
+
+
+def discard_earlier_results(output_dir: Path) -> None:
+    for name in OUTPUT_FOLDERS:
+        shutil.rmtree(output_dir / name, ignore_errors=True)
+    for name in OUTPUT_FILES:
+        (output_dir / name).unlink(missing_ok=True)
 
 
 def record_options(evaluation: Evaluation) -> None:
     output_dir = Path(evaluation.run.output_dir)
     (output_dir / RESULTS_DIR).mkdir(parents=True, exist_ok=True)
-    write_json(
-        output_dir / OPTIONS_FILE,
-        {"fingerprint": options_fingerprint(evaluation.options), "options": asdict(evaluation.options)},
-    )
+    write_json(output_dir / OPTIONS_FILE, {
+        "fingerprint": options_fingerprint(evaluation.options, evaluation.model_digest),
+        "model_digest": evaluation.model_digest, "model": evaluation.options.model,
+        "options": asdict(evaluation.options),
+    })
 
 
 def result_path(evaluation: Evaluation, task: GlueTask, seed: int) -> Path:
@@ -288,7 +361,7 @@ def training_arguments(evaluation: Evaluation, task: GlueTask, seed: int, num_pr
 def fine_tune(evaluation: Evaluation, data: TaskData, seed: int) -> dict:
     """Fine-tune a fresh copy on the task's training set with `seed`, and score every dev set."""
     task = data.task
-    state = PartialState()
+    state = launch_state()
     arguments = training_arguments(evaluation, task, seed, state.num_processes)
     torch.manual_seed(seed)  # the new head's initialisation depends on the seed too
     model = build_model(evaluation, task)
@@ -325,13 +398,16 @@ def fine_tune(evaluation: Evaluation, data: TaskData, seed: int) -> dict:
 
 def evaluate(evaluation: Evaluation) -> dict:
     """Run every (task, seed) not already cached, then write the report; returns the summary."""
-    state = PartialState()
+    state = launch_state()
     if state.device.type == "cuda":
         enable_tf32()
     else:
         use_cpu_cores()
     if state.is_main_process:
+        if evaluation.run.fresh:
+            discard_earlier_results(Path(evaluation.run.output_dir))
         record_options(evaluation)
+    state.wait_for_everyone()  # no process looks for cached results before --fresh has removed them
     results = []
     for data in evaluation.tasks:
         for seed in seeds_for(data.task, evaluation.options):
@@ -377,6 +453,11 @@ def write_report(evaluation: Evaluation, summary: dict, results: list[dict]) -> 
     print(f"report: {output_dir / 'glue.md'}, {output_dir / 'glue.json'}, {output_dir / 'glue.png'}")
     checkpoint = Path(options.model)
     if evaluation.run.write_eval_results and checkpoint.is_dir():
+        if model_digest(options.model) != evaluation.model_digest:
+            raise UserError(
+                f"the files at {checkpoint} changed while they were evaluated, so these results were not written "
+                f"beside them: {output_dir} reports the model as it was; run GLUE again with --fresh for the new one."
+            )
         write_json(checkpoint / "eval_results.json", hub_results)
         add_eval_results_to_card(checkpoint, hub_results)  # the Hub shows the card's model-index
         print(f"eval_results.json written beside the checkpoint: {checkpoint / 'eval_results.json'}")
