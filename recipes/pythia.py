@@ -92,8 +92,9 @@ class ImplementationOptions(RunOptions):
     output_dir: str = option(
         "runs/pythia", "where the run writes: the model lands in OUTPUT_DIR/final, training states in checkpoints/")
     precision: str = option(
-        "released", "released (fp16 with loss scaling from 2^12; bf16 for pythia-1b; the nearest the device can do "
-                    "otherwise, said in the log), auto, bf16, fp16 or fp32")
+        "released", "released (fp16 with loss scaling from 2^12; bf16 for pythia-1b, where pythia-1b-deduped "
+                    "trained in fp16; the nearest the device can do otherwise, said in the log), auto, bf16, fp16 "
+                    "or fp32")
     push_checkpoints: bool = option(
         False, "also push the model at each of Pythia's checkpoint steps to the Hub, as the revision stepN")
     device_memory_gib: float | None = option(
