@@ -1,6 +1,6 @@
 """The Pythia size table and recipe: exact released parameter counts (on the meta device), the released init (also
-under ZeRO-3's zero.Init and through save_pretrained), GPT-NeoX's AnnealingLR, the configs' hyper-parameters and
-fp16 loss scaling, checkpoints."""
+under ZeRO-3's zero.Init and through save_pretrained), GPT-NeoX's fused bias GELU and AnnealingLR, the configs'
+hyper-parameters and fp16 loss scaling, checkpoints."""
 
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from cram.models.pythia import (
     weight_type,
 )
 from cram.plan.models import build_model, model_config
-from cram.train.runtime import grad_scaler_kwargs
 
 # The released models' counts (EleutherAI/pythia README): total, and without the input and output embeddings.
 RELEASED = {
@@ -127,14 +126,6 @@ def test_the_recipe_is_the_training_configs():
     assert pythia_recipe("pythia-1b").peak_lr == 2.5e-4  # pythia-1b.yml, not the README table's 3e-4
     scaling = recipe.loss_scaling
     assert (scaling.initial_scale_power, scaling.window, scaling.hysteresis, scaling.min_scale) == (12, 1000, 2, 1)
-
-
-def test_accelerate_s_grad_scaler_starts_at_2_to_the_12_with_window_1000():
-    """The settings recipes/pythia.py rebuilds Accelerate's GradScaler with (fp16 outside DeepSpeed)."""
-    settings = grad_scaler_kwargs(12, 1000).to_kwargs()
-    assert settings == {"init_scale": 4096.0, "growth_interval": 1000}
-    scaler = torch.amp.GradScaler("cpu", **settings)  # what Accelerate builds on a GPU, on this machine's device
-    assert (scaler.get_scale(), scaler.get_growth_interval(), scaler.get_growth_factor()) == (4096.0, 1000, 2.0)
 
 
 def type_stds(model: torch.nn.Module) -> dict[str, float]:
