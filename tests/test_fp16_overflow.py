@@ -129,18 +129,25 @@ def test_the_grad_scaler_follows_deepspeed_s_hysteresis_window_and_skips_as_gpt_
 
 
 def test_the_scaler_resumes_from_its_saved_state_as_if_never_stopped():
-    whole = drive_scaler(pythia_scaler(), OVERFLOWS, range(1100))
+    never_stopped = pythia_scaler()
+    whole = drive_scaler(never_stopped, OVERFLOWS, range(1100))
     first = pythia_scaler()
-    drive_scaler(first, OVERFLOWS, range(1035))
+    drive_scaler(first, OVERFLOWS, range(1045))
     resumed = pythia_scaler()
     resumed.load_state_dict(first.state_dict())  # what Accelerate's save_state / load_state carry in scaler.pt
-    assert drive_scaler(resumed, OVERFLOWS, range(1035, 1100)) == whole[1035:]
+    assert drive_scaler(resumed, OVERFLOWS, range(1045, 1100)) == whole[1045:]
+    counts = ("iteration", "last_overflow_iteration", "hysteresis_left")  # where the window and hysteresis stand
+    assert [getattr(resumed, name) for name in counts] == [getattr(never_stopped, name) for name in counts]
 
 
-def test_an_overflow_at_the_minimum_scale_ends_the_run_as_deepspeed_does():
-    scaler = hysteresis_scaler_like(torch.amp.GradScaler("cpu"), 2.0, 1000, 1, 1.0)
-    assert [scale for scale, _ in drive_scaler(scaler, {0}, range(1))] == [1.0]  # halved to the minimum
-    with pytest.raises(UserError, match=r"minimum loss scale 1, .*--precision bf16\)\.$"):
+def test_the_scale_never_falls_below_the_minimum_and_an_overflow_there_ends_the_run_as_deepspeed_does():
+    scaler = hysteresis_scaler_like(torch.amp.GradScaler("cpu"), 4.0, 1000, 1, 3.0)
+    reference = DeeperSpeedDynamicLossScaler(4.0, 1000, 3.0, 1)
+    reference.update_scale(True)
+    assert [scale for scale, _ in drive_scaler(scaler, {0}, range(1))] == [reference.cur_scale] == [3.0]
+    with pytest.raises(Exception, match="already at minimum"):
+        reference.update_scale(True)
+    with pytest.raises(UserError, match=r"minimum loss scale 3, .*--precision bf16\)\.$"):
         drive_scaler(scaler, {0}, range(1))
 
 
