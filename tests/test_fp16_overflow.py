@@ -6,6 +6,9 @@ optimizer and training-loop path, with overflows forced by an infinite loss."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -126,6 +129,31 @@ def test_the_grad_scaler_follows_deepspeed_s_hysteresis_window_and_skips_as_gpt_
     # The rules at work: the first overflow of a pair is absorbed, and the window doubles the scale.
     scales = [scale for scale, _ in seen]
     assert scales[3] == 4096.0 and scales[4] == 2048.0 and max(scales) > scales[1039]
+
+
+SHARDED_RUN = """
+import os, sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from test_fp16_overflow import OVERFLOWS, drive_scaler
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from cram.train.runtime import HysteresisLossScaling, hysteresis_scaler_like
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+scaler = hysteresis_scaler_like(ShardedGradScaler("cpu"), 4096.0, 1000, 2, 1.0)
+assert isinstance(scaler, ShardedGradScaler) and isinstance(scaler, HysteresisLossScaling)
+print(drive_scaler(scaler, OVERFLOWS, range(1100)))
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp1_s_sharded_scaler_gets_the_same_rules():
+    """FSDP1 launches (fsdp_version 1) scale through torch's ShardedGradScaler, which all-reduces the overflow
+    check: the replacement keeps that kind, in a process group of its own (a subprocess, one rank)."""
+    from cram.plan.sweep import free_port
+
+    completed = subprocess.run([sys.executable, "-c", SHARDED_RUN, str(Path(__file__).parent), str(free_port())],
+                               capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert completed.stdout.strip() == str(drive_scaler(pythia_scaler(), OVERFLOWS, range(1100)))
 
 
 def test_the_scaler_resumes_from_its_saved_state_as_if_never_stopped():
