@@ -114,16 +114,17 @@ $(foreach size,$(PYTHIA_SIZES),$(foreach hardware,$(PYTHIA_HARDWARE),$(eval $(ca
 .PHONY: pythia-4xa100 pythia-smoke
 pythia-4xa100: pythia-1b-4xa100
 
-# pythia-14m on 64-token sequences for 4 steps, on the CPU with 2 processes under ZeRO-1 and then ZeRO-3, on a
-# Megatron file and tokenizer written from the embedded corpus (runs/pythia-smoke/data).
+# pythia-14m on 64-token sequences for the first 4 steps of the full-length schedule and index (--stop-at-step), on
+# the CPU with 2 processes under ZeRO-1 and then ZeRO-3, on a Megatron file and tokenizer written from the embedded
+# corpus (runs/pythia-smoke/data).
 pythia-smoke: setup
 	$(BIN)/python -m cram.data.megatron embedded --output runs/pythia-smoke/data/document --vocab-size 1000 \
 		--max-documents 400
 	for stage in zero1 zero3; do \
 		rm -rf runs/pythia-smoke/$$stage; \
-		echo "$(BIN)/accelerate launch -q --config_file accel_configs/cpu-$$stage.yaml recipes/pythia.py --size pythia-14m --data runs/pythia-smoke/data/document --tokenizer runs/pythia-smoke/data/tokenizer --max-steps 4 --seq-len 64 --global-batch-size 8 --micro-batch-size 2 --log-every 1 --output-dir runs/pythia-smoke/$$stage"; \
+		echo "$(BIN)/accelerate launch -q --config_file accel_configs/cpu-$$stage.yaml recipes/pythia.py --size pythia-14m --data runs/pythia-smoke/data/document --tokenizer runs/pythia-smoke/data/tokenizer --stop-at-step 4 --seq-len 64 --global-batch-size 8 --micro-batch-size 2 --log-every 1 --output-dir runs/pythia-smoke/$$stage"; \
 		$(BIN)/accelerate launch -q --config_file accel_configs/cpu-$$stage.yaml recipes/pythia.py --size pythia-14m \
-			--data runs/pythia-smoke/data/document --tokenizer runs/pythia-smoke/data/tokenizer --max-steps 4 \
+			--data runs/pythia-smoke/data/document --tokenizer runs/pythia-smoke/data/tokenizer --stop-at-step 4 \
 			--seq-len 64 --global-batch-size 8 --micro-batch-size 2 --log-every 1 \
 			--output-dir runs/pythia-smoke/$$stage || exit $$?; \
 	done

@@ -15,6 +15,8 @@ models use (--revision-steps keeps fewer); training states are saved by time, an
 --resume auto. On the pre-shuffled Pile, step k trains on exactly the sequences the released model saw at step k;
 on a document-level Megatron file (the *_idxmaps release) it trains on the samples GPT-NeoX's own index gives
 (built once and cached beside the file).
+--stop-at-step N trains Pythia's first N steps: the schedule and the index stay those of the full run, so step k here
+is step k there; --max-steps M is another, shorter recipe (warm-up, cosine and index scaled to M steps).
 """
 
 from __future__ import annotations
@@ -76,7 +78,13 @@ class TrainingOptions:
     tokenizer: str | None = option(
         None, "tokenizer folder or Hub name (needed for Megatron files: EleutherAI/gpt-neox-20b); unset for raw "
               "text trains a byte-level BPE on it")
-    max_steps: int | None = option(None, "optimizer steps; unset means the recipe's 143000 (the schedule scales)")
+    max_steps: int | None = option(
+        None, "the schedule's length in optimizer steps: warm-up, cosine and GPT-NeoX's index of a document-level "
+              "file all scale to it, so it is a shorter recipe, not Pythia's first steps (for those: --stop-at-step); "
+              "unset means the recipe's 143000")
+    stop_at_step: int | None = option(
+        None, "stop after this step of the schedule, which stays full length (with the index): the run is the first "
+              "N steps of Pythia's, its state saved at N to go on from with a later --stop-at-step and --resume auto")
     seq_len: int | None = option(None, "tokens per sequence; unset means 2048")
     global_batch_size: int | None = option(None, "sequences per optimizer step; unset means 1024")
     micro_batch_size: int = option(8, "sequences per forward pass per process")
@@ -95,8 +103,9 @@ class ImplementationOptions(RunOptions):
     output_dir: str = option(
         "runs/pythia", "where the run writes: the model lands in OUTPUT_DIR/final, training states in checkpoints/")
     precision: str = option(
-        "released", "released (fp16 with loss scaling from 2^12; bf16 for pythia-1b; the nearest the device can do "
-                    "otherwise, said in the log), auto, bf16, fp16 or fp32")
+        "released", "released (fp16 with loss scaling from 2^12; bf16 for pythia-1b, where pythia-1b-deduped "
+                    "trained in fp16; the nearest the device can do otherwise, said in the log), auto, bf16, fp16 "
+                    "or fp32")
     push_checkpoints: bool = option(
         False, "also push each revision (--revision-steps) to the Hub, as the revision stepN")
     revision_steps: str = option(
@@ -116,10 +125,14 @@ def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
     if not Path(training.data).exists() and not Path(training.data + ".bin").exists():
         raise UserError(f"the data path {training.data} does not exist: give an existing file, folder or .bin/.idx "
                         "prefix.")
-    for name in ("max_steps", "seq_len", "global_batch_size", "vocab_size"):
+    for name in ("max_steps", "stop_at_step", "seq_len", "global_batch_size", "vocab_size"):
         value = getattr(training, name)
         if value is not None and value <= 0:
             raise UserError(f"--{name.replace('_', '-')} {value} is not positive: give a positive number.")
+    schedule = training.max_steps or pythia_recipe(training.size).train_steps
+    if training.stop_at_step is not None and training.stop_at_step > schedule:
+        raise UserError(f"--stop-at-step {training.stop_at_step} is past the schedule's last step {schedule}: give a "
+                        f"step up to {schedule}{' or a longer --max-steps' if training.max_steps else ''}.")
     check_run_options(implementation)
     if implementation.precision not in ("released", *PRECISIONS):
         raise UserError(f"unknown precision {implementation.precision!r}: choose released or one of "
@@ -141,13 +154,29 @@ def choose_precision(recipe: PythiaRecipe, asked: str, device_type: str) -> tupl
     return asked, None
 
 
+def describe_schedule(
+    max_steps: int, stop_at: int, pythia_steps: int, global_batch: int, seq_len: int | None = None
+) -> str:
+    """The run's steps in words: Pythia's schedule whole or its first steps, or a shorter recipe of --max-steps."""
+    batch = f"{global_batch} × {seq_len} tokens" if seq_len else f"{global_batch} sequences"
+    if max_steps == pythia_steps:
+        schedule = f"Pythia's {max_steps} optimizer steps of {batch}"
+    else:
+        schedule = (f"{max_steps} optimizer steps of {batch} (--max-steps: warm-up, cosine and data order scaled to "
+                    f"them, not Pythia's {pythia_steps})")
+    if stop_at == max_steps:
+        return schedule
+    return f"the first {stop_at} of {schedule}, stopped there by --stop-at-step"
+
+
 def main() -> None:
     # Parse: everything a user can get wrong is checked before any step runs.
     training, implementation = parse_options()
     recipe = pythia_recipe(training.size)
     implementation.precision, departure = choose_precision(recipe, implementation.precision, launch_device_type())
-    max_steps = training.max_steps or recipe.train_steps
-    revision_steps = parse_revision_steps(implementation.revision_steps, pythia_checkpoint_steps(), max_steps)
+    max_steps = training.max_steps or recipe.train_steps  # the schedule's length, which sizes the index too
+    stop_at = training.stop_at_step or max_steps
+    revision_steps = parse_revision_steps(implementation.revision_steps, pythia_checkpoint_steps(), stop_at)
     seq_len = training.seq_len or recipe.seq_len
     global_batch = training.global_batch_size or recipe.global_batch_size
     peak_lr = training.lr or recipe.peak_lr
@@ -161,6 +190,7 @@ def main() -> None:
     replaced = fp16_loss_scaling(accelerator, scaling.initial_scale_power, scaling.window, scaling.hysteresis,
                                  scaling.min_scale)
     if run.is_main_process:
+        print(f"schedule: {describe_schedule(max_steps, stop_at, recipe.train_steps, global_batch)}")
         if departure:
             print(f"precision: {departure} (mixed precision {accelerator.mixed_precision})")
         if replaced:
@@ -180,7 +210,8 @@ def main() -> None:
     if run.is_main_process:
         print(f"data: {data.description}")
     run.check_resume({  # what a resumed run must share with the run that wrote the checkpoint
-        "training": dataclasses.asdict(training),
+        # --stop-at-step may differ: a run stopped early goes on to a later step of the same schedule.
+        "training": {key: value for key, value in dataclasses.asdict(training).items() if key != "stop_at_step"},
         "data": {"set": data.name, "sequences": len(data.sequences)},
         "launch": {"distributed_type": str(accelerator.distributed_type), "num_processes": accelerator.num_processes},
     })
@@ -190,13 +221,17 @@ def main() -> None:
         model.gradient_checkpointing_enable({"use_reentrant": False})
     optimizer = build_adamw(model, peak_lr, recipe.betas, recipe.eps, recipe.weight_decay)
     model, optimizer, state = run.prepare(model, optimizer)
+    if state.optimizer_steps > stop_at:
+        raise UserError(f"{run.resume_from} is at step {state.optimizer_steps}, past --stop-at-step {stop_at}: give a "
+                        "later step to go on to, or start a new run in another --output-dir.")
     batches = iter(stream_loader(
         data.sequences, causal_lm_batch, start=state.sequences, micro_batch_size=training.micro_batch_size,
         process_index=accelerator.process_index, num_processes=accelerator.num_processes,
         num_workers=run.num_workers, pin_memory=run.device_type == "cuda",
     ))
     run.start_trackers(training, {
-        "max_steps": max_steps, "seq_len": seq_len, "global_batch_size": global_batch, "peak_lr": peak_lr,
+        "max_steps": max_steps, "stop_at_step": stop_at, "seq_len": seq_len, "global_batch_size": global_batch,
+        "peak_lr": peak_lr,
         "accumulation": accumulation, "warmup_steps": recipe.warmup_fraction * max_steps,
         "weight_decay": recipe.weight_decay, "vocab_size": config.vocab_size, "data": data.name,
         "released_precision": recipe.precision, "precision_departure": departure,
@@ -206,17 +241,20 @@ def main() -> None:
     flops_per_token = gpt_neox_flops_per_token(
         config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.vocab_size, seq_len)
 
-    # Run: the step-based schedule, keeping the model at Pythia's checkpoint steps up to --max-steps.
+    # Run: the step-based schedule, keeping the model at Pythia's checkpoint steps up to the stop.
     def model_card(state: TrainState) -> ModelCardFacts:
         return run.card(
             state, model=f"GPT-NeoX ({training.size})", config=config, auto_class="AutoModelForCausalLM",
             data=f"{training.data} ({len(data.sequences):,} sequences of {seq_len + 1} tokens)",
-            budget=f"{max_steps} optimizer steps of {global_batch} × {seq_len} tokens", trust_remote_code=False,
+            budget=describe_schedule(max_steps, stop_at, recipe.train_steps, global_batch, seq_len),
+            trust_remote_code=False,
         )
 
-    checkpointer = run.checkpointer(state, model, data.tokenizer, model_card, revisions_at=revision_steps)
+    go_on_from = [stop_at] if training.stop_at_step else []  # a run stopped early keeps its state to continue
+    checkpointer = run.checkpointer(state, model, data.tokenizer, model_card, revisions_at=revision_steps,
+                                    states_at=go_on_from)
     finished = run.train(
-        model, optimizer, batches, StepClock(max_steps), state, checkpointer, peak_lr=peak_lr,
+        model, optimizer, batches, StepClock(max_steps, stop_at=stop_at), state, checkpointer, peak_lr=peak_lr,
         lr_shape=recipe.lr_shape(max_steps),
         accumulation_at=lambda progress: accumulation, max_grad_norm=recipe.max_grad_norm,
         flops_per_token=flops_per_token,

@@ -1,6 +1,6 @@
 """The Pythia size table and recipe: exact released parameter counts (on the meta device), the released init (also
-under ZeRO-3's zero.Init and through save_pretrained), GPT-NeoX's AnnealingLR, the configs' hyper-parameters and
-fp16 loss scaling, checkpoints."""
+under ZeRO-3's zero.Init and through save_pretrained), GPT-NeoX's fused bias GELU and AnnealingLR, the configs'
+hyper-parameters and fp16 loss scaling, checkpoints."""
 
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from cram.models.pythia import (
     weight_type,
 )
 from cram.plan.models import build_model, model_config
-from cram.train.runtime import grad_scaler_kwargs
 
 # The released models' counts (EleutherAI/pythia README): total, and without the input and output embeddings.
 RELEASED = {
@@ -69,6 +68,32 @@ def test_the_architecture_is_gpt_neox_as_released():
     assert (config.layer_norm_eps, config.intermediate_size, config.max_position_embeddings) == (1e-5, 8192, 2048)
 
 
+def gpt_neox_bias_gelu(bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """GPT-NeoX v1.0 megatron/model/activations.py `bias_gelu` as written there: what `bias-gelu-fusion: true`
+    (every pythia-*.yml) runs on dense_h_to_4h's output and bias."""
+    x = bias + y
+    return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+
+def test_the_mlp_is_gpt_neox_s_fused_bias_gelu_the_tanh_approximation_also_once_saved(tmp_path):
+    torch.manual_seed(0)
+    model = build_pythia_model("pythia-14m")
+    model.save_pretrained(tmp_path / "saved")
+    hidden = torch.randn(2, 9, 128, generator=torch.Generator().manual_seed(1)) * 4
+    for built in (model, GPTNeoXForCausalLM.from_pretrained(tmp_path / "saved")):
+        mlp = built.gpt_neox.layers[0].mlp
+        with torch.no_grad():
+            product = torch.nn.functional.linear(hidden, mlp.dense_h_to_4h.weight)  # the bias is added in bias_gelu
+            expected = mlp.dense_4h_to_h(gpt_neox_bias_gelu(mlp.dense_h_to_4h.bias, product))
+            torch.testing.assert_close(mlp(hidden), expected, rtol=1e-6, atol=1e-6)
+            # The activation itself, bit for bit, in each precision GPT-NeoX trained in.
+            for dtype in (torch.float32, torch.float16, torch.bfloat16):
+                x = (hidden * 2).to(dtype)
+                assert torch.equal(mlp.act(x), gpt_neox_bias_gelu(torch.zeros((), dtype=dtype), x)), dtype
+            # The exact erf GELU differs by far more than the tolerance above: the test tells the two apart.
+            assert (torch.nn.functional.gelu(hidden * 2) - mlp.act(hidden * 2)).abs().max() > 1e-4
+
+
 def neox_annealing_lr(k: int, peak: float, steps: int = 143_000) -> float:
     """The issue's statement of GPT-NeoX v1.0's AnnealingLR (cosine), W = 1 % of the steps, E = the steps."""
     warmup, end = 0.01 * steps, steps
@@ -101,14 +126,6 @@ def test_the_recipe_is_the_training_configs():
     assert pythia_recipe("pythia-1b").peak_lr == 2.5e-4  # pythia-1b.yml, not the README table's 3e-4
     scaling = recipe.loss_scaling
     assert (scaling.initial_scale_power, scaling.window, scaling.hysteresis, scaling.min_scale) == (12, 1000, 2, 1)
-
-
-def test_accelerate_s_grad_scaler_starts_at_2_to_the_12_with_window_1000():
-    """The settings recipes/pythia.py rebuilds Accelerate's GradScaler with (fp16 outside DeepSpeed)."""
-    settings = grad_scaler_kwargs(12, 1000).to_kwargs()
-    assert settings == {"init_scale": 4096.0, "growth_interval": 1000}
-    scaler = torch.amp.GradScaler("cpu", **settings)  # what Accelerate builds on a GPU, on this machine's device
-    assert (scaler.get_scale(), scaler.get_growth_interval(), scaler.get_growth_factor()) == (4096.0, 1000, 2.0)
 
 
 def type_stds(model: torch.nn.Module) -> dict[str, float]:

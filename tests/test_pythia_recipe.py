@@ -26,7 +26,13 @@ from recipe_import import load_recipe
 from safetensors.torch import load as load_safetensors
 from transformers import AutoModelForCausalLM
 
-from cram.data.megatron import gpt_neox_index_paths, tokenized_documents, write_megatron
+from cram.data.megatron import (
+    MegatronTokens,
+    gpt_neox_index_paths,
+    megatron_sequences,
+    tokenized_documents,
+    write_megatron,
+)
 from cram.data.tokenizer import train_byte_level_bpe
 from cram.errors import UserError
 from cram.models.pythia import pythia_recipe, weight_type
@@ -395,6 +401,60 @@ def refusal(recipe_module, monkeypatch, arguments: list) -> str:
     return str(raised.value)
 
 
+# Pythia's whole schedule at a small batch and sequence: GPT-NeoX's index for 143,000 steps × 4 sequences is
+# 575,825 samples over the test's 100 documents, built in a fraction of a second.
+FULL_LENGTH = ["--size", "pythia-14m", "--vocab-size", "1024", "--seq-len", "32", "--global-batch-size", "4",
+               "--micro-batch-size", "2", "--precision", "fp32", "--log-every", "1", "--checkpoint-every-minutes", "0"]
+
+
+def test_stop_at_step_trains_the_full_length_run_s_first_steps_lr_and_sequences_across_a_resume(
+    recipe_module, monkeypatch, capsys, tmp_path, megatron_data
+):
+    """Two in-process runs of one output folder: to step 2, then on to step 3 with --resume auto. At every step
+    they run, the learning rate is that of the 143,000-step schedule and the sequences are the 143,000 × 4-sequence
+    index's, in order; a shorter schedule (--max-steps) would give other rates and, from step 0, other sequences."""
+    prefix, tokenizer = megatron_data
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    trained: list[torch.Tensor] = []  # each micro-batch's sequences, as the loop drew them
+    real_loader = recipe_module.stream_loader
+
+    def recording_loader(*args, **kwargs):
+        for batch in real_loader(*args, **kwargs):
+            trained.append(torch.cat([batch["input_ids"], batch["shift_labels"][:, -1:]], dim=1))
+            yield batch
+
+    monkeypatch.setattr(recipe_module, "stream_loader", recording_loader)
+    output_dir = tmp_path / "run"
+    common = [*FULL_LENGTH, "--data", prefix, "--tokenizer", tokenizer, "--output-dir", output_dir]
+    for extra in (["--stop-at-step", "2"], ["--stop-at-step", "3", "--resume", "auto"]):
+        monkeypatch.setattr(sys, "argv", ["pythia.py", *map(str, [*common, *extra])])
+        recipe_module.main()
+        if extra[1] == "2":
+            assert "schedule: the first 2 of Pythia's 143000 optimizer steps of 4 sequences" in capsys.readouterr().out
+            first_final = safetensors.torch.load_file(output_dir / "final" / "model.safetensors")
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["optimizer_steps"] == 3 and summary["resumed_from"].endswith("step-00000002")
+    recipe = pythia_recipe("pythia-14m")
+    assert [row["step"] for row in summary["history"]] == [1, 2, 3]
+    for row in summary["history"]:  # step k ran at lr(k - 1) of the 143,000-step schedule
+        assert row["lr"] == pytest.approx(recipe.lr_at(row["step"] - 1), rel=1e-12, abs=0.0)
+        assert row["step"] == 1 or row["lr"] != pytest.approx(recipe.lr_at(row["step"] - 1, train_steps=3))
+    tokens = MegatronTokens(prefix)
+    full_length = megatron_sequences(tokens, 33, 143_000 * 4)
+    expected = torch.stack([full_length[serial]["input_ids"] for serial in range(12)])
+    assert torch.equal(torch.cat(trained), expected)  # steps 1-3, four sequences each, across the resume
+    shorter = megatron_sequences(tokens, 33, 3 * 4)  # the index --max-steps 3 reads
+    assert not torch.equal(torch.stack([shorter[serial]["input_ids"] for serial in range(12)]), expected)
+    # The resumed run exported its own step: the final model moved on from step 2's.
+    final = safetensors.torch.load_file(output_dir / "final" / "model.safetensors")
+    assert not all(torch.equal(tensor, first_final[name]) for name, tensor in final.items())
+    resolved = json.loads((output_dir / "final" / "cram_options.json").read_text())["resolved"]
+    assert (resolved["max_steps"], resolved["stop_at_step"]) == (143_000, 3)  # the index's length, and the stop
+    assert (output_dir / "checkpoints" / "step-00000003").is_dir()  # not a Pythia step: kept to go on from
+    text = refusal(recipe_module, monkeypatch, [*common, "--stop-at-step", "2", "--resume", "auto"])
+    assert "is at step 3, past --stop-at-step 2: give a later step" in text
+
+
 @pytest.fixture
 def mismatched_index(tmp_path, megatron_data) -> Path:
     """A .bin whose .idx belongs to other documents."""
@@ -420,7 +480,8 @@ def oversized_tokenizer(tmp_path, megatron_data) -> Path:
      ("indivisible batch", "does not divide the target batch"),
      ("mismatched index", "does not match"),
      ("oversized tokenizer", "use a tokenizer of at most that many tokens"),
-     ("too large for the GPU", "run the planner")],
+     ("too large for the GPU", "run the planner"),
+     ("stop past the schedule", "--stop-at-step 6 is past the schedule's last step 5")],
 )
 def test_bad_input_is_refused_in_one_sentence_before_any_step(
     recipe_module, monkeypatch, tmp_path, megatron_data, request, case, message
@@ -434,6 +495,7 @@ def test_bad_input_is_refused_in_one_sentence_before_any_step(
         "mismatched index": [*base, "--data", request.getfixturevalue("mismatched_index")],
         "oversized tokenizer": [*base, "--tokenizer", request.getfixturevalue("oversized_tokenizer")],
         "too large for the GPU": [*base, "--size", "pythia-12b", "--device-memory-gib", "24"],
+        "stop past the schedule": [*base, "--max-steps", "5", "--stop-at-step", "6"],
     }[case]
     text = refusal(recipe_module, monkeypatch, arguments)
     assert message in text and text.count(". ") == 0

@@ -78,6 +78,9 @@ def test_step_clock_progress_counts_optimizer_steps():
     clock.start(elapsed_before=12.0, steps_before=10)
     assert clock.progress(10) == 0.25 and clock.progress(40) == 1.0 and clock.progress(50) == 1.0
     assert clock.elapsed >= 12.0
+    # Stopped early on the same schedule: the run ends at step 10, the learning rate still spans 40 steps.
+    early = StepClock(40, stop_at=10)
+    assert early.progress(5) == 0.5 and early.progress(10) == 1.0 and early.schedule_progress(10) == 0.25
 
 
 def logged_first_step(micro_batch_size: int, accumulation: int) -> dict:

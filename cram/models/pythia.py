@@ -78,7 +78,12 @@ def pythia_config(name: str, **overrides) -> GPTNeoXConfig:
         num_hidden_layers=size.layers,
         num_attention_heads=size.heads,
         intermediate_size=4 * size.hidden,
-        hidden_act="gelu",
+        # pythia-*.yml: bias-gelu-fusion: true selects GPT-NeoX v1.0's `bias_gelu` (megatron/model/activations.py),
+        # the tanh approximation x/2·(1 + tanh(0.79788456·x·(1 + 0.044715·x²))); transformers' gelu_fast is that
+        # expression term for term. The released Hub configs say "gelu" (v1.0's tools/convert_to_hf.py copies
+        # `activation` and drops the fusion flag); GPT-NeoX's tools/ckpts/convert_hf_to_sequential.py sets gelu_fast
+        # on them "to align logits".
+        hidden_act="gelu_fast",
         # Rotary position embedding on a quarter of each head's dimensions, base 10000 (GPT-NeoX's rotary_pct).
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         max_position_embeddings=SEQUENCE_LENGTH,
@@ -273,7 +278,7 @@ class PythiaRecipe:
     eps: float = 1e-8  # optimizer.params.eps
     weight_decay: float = 0.1  # weight-decay (every config; 0.01 is only GPT-NeoX's default)
     max_grad_norm: float = 1.0  # gradient_clipping
-    precision: str = "fp16"  # fp16.enabled; pythia-1b moved to bf16 (Pythia README)
+    precision: str = "fp16"  # pythia-*.yml: fp16.enabled (every config); see `released_precision` for pythia-1b
     loss_scaling: LossScaling = LossScaling()
     checkpoint_steps: tuple[int, ...] = field(default=CHECKPOINT_STEPS, repr=False)
 
@@ -294,9 +299,23 @@ class PythiaRecipe:
 
 
 def pythia_recipe(name: str) -> PythiaRecipe:
-    """The recipe `name` was trained with; pythia-1b alone ran in bf16 (Pythia README)."""
+    """The recipe `name` was trained with."""
     size = check_size(name)
-    return PythiaRecipe(name=name, peak_lr=size.peak_lr, precision="bf16" if name == "pythia-1b" else "fp16")
+    return PythiaRecipe(name=name, peak_lr=size.peak_lr, precision=released_precision(name))
+
+
+def released_precision(name: str) -> str:
+    """The precision the released `name` (the standard Pile model) trained in.
+
+    Every config says fp16 (pythia-*.yml: fp16.enabled: true), pythia-1b.yml too. The Pythia README says all models
+    trained in fp16 "except `EleutherAI/pythia-1b` which trained with bf16" (after a loss spike in fp16), and its
+    evaluations name that run pythia-v1.1-1b-bf16 (evals/pythia-v1/pythia-1b-bf16); GPT-NeoX's later
+    configs/pythia/1B.yml sets fp16.type bfloat16. The deduplicated 1b is not named there: its config
+    (pythia-1b-deduped.yml: fp16.enabled) and its evaluations' name (pythia-v1.1-1b-deduped, no bf16 mark) say fp16,
+    so a replication of pythia-1b-deduped passes --precision fp16.
+    """
+    check_size(name)
+    return "bf16" if name == "pythia-1b" else "fp16"
 
 
 def annealing_lr(step: int, peak: float, min_lr: float, warmup_fraction: float, decay_steps: int) -> float:

@@ -52,6 +52,11 @@ class WallClock:
     def progress(self, steps: int) -> float:
         raise NotImplementedError
 
+    def schedule_progress(self, applied_steps: int) -> float:
+        """Progress through the learning-rate schedule after `applied_steps` optimizer updates (steps an fp16
+        overflow skipped left out); unless the clock says otherwise, the run's own progress."""
+        return self.progress(applied_steps)
+
     def remaining(self, steps: int) -> float:
         raise NotImplementedError
 
@@ -81,24 +86,34 @@ class BudgetClock(WallClock):
 
 
 class StepClock(WallClock):
-    """Progress p = optimizer steps / max_steps: a deterministic budget, for tests and fixed-length recipes."""
+    """Progress p = optimizer steps / max_steps: a deterministic budget, for tests and fixed-length recipes.
 
-    def __init__(self, max_steps: int, now: Callable[[], float] = time.perf_counter):
+    With `stop_at`, the run ends after that step of the same schedule: the learning rate still follows
+    `schedule_progress` over `max_steps`, while `progress` (what ends the run and fills the bar) counts to `stop_at`.
+    """
+
+    def __init__(self, max_steps: int, now: Callable[[], float] = time.perf_counter, stop_at: int | None = None):
         super().__init__(now)
         self.max_steps = max_steps
+        self.stop_at = max_steps if stop_at is None else stop_at
 
     def progress(self, steps: int) -> float:
-        return min(1.0, steps / self.max_steps)
+        return min(1.0, steps / self.stop_at)
+
+    def schedule_progress(self, applied_steps: int) -> float:
+        return min(1.0, applied_steps / self.max_steps)
 
     def remaining(self, steps: int) -> float:
         """Seconds left at this session's pace so far."""
         done_here = steps - self._steps_before
         if done_here <= 0:
             return float("nan")
-        return (self.elapsed - self._elapsed_before) / done_here * (self.max_steps - steps)
+        return (self.elapsed - self._elapsed_before) / done_here * (self.stop_at - steps)
 
     def describe(self) -> str:
-        return f"{self.max_steps} steps"
+        if self.stop_at == self.max_steps:
+            return f"{self.max_steps} steps"
+        return f"{self.stop_at} of a {self.max_steps}-step schedule"
 
 
 class MicroBatchPace:

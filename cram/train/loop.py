@@ -2,7 +2,9 @@
 checkpoints, and a clean stop on preemption.
 
 The loop is driven by a clock whose progress p in [0, 1] comes from the wall clock (cramming's budget) or the
-step count (`--max-steps`, fixed-length recipes). The learning rate and the accumulation are functions of p.
+step count (`--max-steps`, fixed-length recipes). The accumulation is a function of p, the learning rate one of the
+clock's schedule progress: p itself on a wall clock; on a step clock, the optimizer updates applied so far over the
+schedule's length, so a step an fp16 overflow skipped does not advance the schedule, as under DeepSpeed's engine.
 It runs unchanged on one process, DDP, DeepSpeed ZeRO-1/2/3 (with offload) and FSDP: the launch config decides.
 """
 
@@ -102,7 +104,7 @@ def train(
         fit = micro_batches_that_fit(reading.pace)
         if reading.pace.progress >= 1.0 or stop or fit == 0:
             break
-        lr = peak_lr * lr_shape(reading.pace.progress)
+        lr = peak_lr * lr_shape(reading.schedule_progress)
         for group in optimizer.param_groups:
             group["lr"] = lr
         accumulation = accumulation_at(reading.pace)
@@ -117,7 +119,9 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         pace.record(clock.now() - step_started, accumulation)
         sequences *= accelerator.num_processes
-        state.optimizer_steps += 1
+        state.optimizer_steps += 1  # on a skipped step too: GPT-NeoX's `iteration` counts it (megatron/training.py)
+        if accelerator.optimizer_step_was_skipped:  # an fp16 overflow: DeepSpeed's or the GradScaler's
+            state.skipped_steps += 1
         state.sequences += sequences
         state.tokens += sequences * seq_len
         if state.optimizer_steps == 1 or state.optimizer_steps % log_every == 0:
@@ -142,6 +146,7 @@ class Reading:
     pace: Pace
     stop_signal: int  # 0: none
     save_now: bool
+    schedule_progress: float  # where the learning-rate schedule stands (`WallClock.schedule_progress`)
 
 
 def _agree(
@@ -160,18 +165,19 @@ def _agree(
         float(pace.steady_steps),
         float(preemption.signal or 0) if preemption is not None else 0.0,
         float(checkpointer is not None and checkpointer.time_due()),
+        clock.schedule_progress(state.optimizer_steps - state.skipped_steps),
     ]
     if accelerator.num_processes > 1:
         shared = torch.tensor(readings, dtype=torch.float64, device=accelerator.device)
         if accelerator.process_index != 0:
-            shared[[0, 1, 2, 3, 5]] = -math.inf  # a maximum over processes then yields rank 0's values
+            shared[[0, 1, 2, 3, 5, 6]] = -math.inf  # a maximum over processes then yields rank 0's values
         torch.distributed.all_reduce(shared, op=torch.distributed.ReduceOp.MAX)
         readings = shared.tolist()
-    progress, seconds_left, seconds_per_micro_batch, steady_steps, stop_signal, save_now = readings
+    progress, seconds_left, seconds_per_micro_batch, steady_steps, stop_signal, save_now, schedule = readings
     return Reading(
         Pace(progress, seconds_left, None if seconds_per_micro_batch < 0 else seconds_per_micro_batch,
              int(steady_steps)),
-        int(stop_signal), bool(save_now),
+        int(stop_signal), bool(save_now), schedule,
     )
 
 
@@ -246,6 +252,7 @@ class Meter:
             "samples_per_second": (state.sequences - self.sequences_then) / seconds,
             "peak_memory_gib": peak_memory_gib(self.accelerator.device),
             "elapsed": state.elapsed,
+            "skipped_steps": state.skipped_steps,  # so far: updates an fp16 overflow skipped (GPT-NeoX logs them too)
         }
         if grad_norm is not None:
             row["grad_norm"] = float(grad_norm)

@@ -238,11 +238,13 @@ class RecipeRun:
     def checkpointer(
         self, state: TrainState, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
         card: Callable[[TrainState], ModelCardFacts], *, revisions_at: Collection[int] | None = None,
+        states_at: Collection[int] = (),
     ) -> Checkpointer:
-        """Periodic training states, each followed by the curves plot. Without `revisions_at`, --push-checkpoints
-        pushes each state's model to the Hub revision named for its folder; with it, the model is exported at those
-        steps to OUTPUT_DIR/revisions/stepN (step 0: before training, in a fresh run), and --push-checkpoints pushes
-        those as the revisions stepN, as the released Pythia models have them. Installs the preemption handler."""
+        """Periodic training states, and one at each step in `states_at`, each followed by the curves plot.
+        Without `revisions_at`, --push-checkpoints pushes each state's model to the Hub revision named for its folder;
+        with it, the model is exported at those steps to OUTPUT_DIR/revisions/stepN (step 0: before training, in a
+        fresh run), and --push-checkpoints pushes those as the revisions stepN, as the released Pythia models have
+        them. Installs the preemption handler."""
         options = self.options
         if options.push_checkpoints:
             self.pusher = BackgroundPusher(options.push_to_hub, private=not options.hub_public)
@@ -265,7 +267,7 @@ class RecipeRun:
                 print(revisions_disk_line(sorted(revisions.steps - revisions.saved), self.parameters, dtype,
                                           revisions.directory))
         checkpointer = ScheduledCheckpointer(
-            revisions, self.accelerator, self.output_dir / "checkpoints", self.facts,
+            revisions, self.accelerator, self.output_dir / "checkpoints", self.facts, states_at=states_at,
             every_steps=options.checkpoint_every,
             every_seconds=options.checkpoint_every_minutes * 60,
             keep=options.keep_checkpoints,
@@ -345,15 +347,17 @@ class RecipeRun:
 
 class ScheduledCheckpointer(Checkpointer):
     """A `Checkpointer` that also exports the model at the steps of `revisions` (Pythia's 154 released checkpoints);
-    at those steps the training state is saved only where its own interval makes it due."""
+    at those steps the training state is saved only where its own interval, or `states_at`, makes it due."""
 
-    def __init__(self, revisions: RevisionSaver | None, *args, **kwargs):
+    def __init__(self, revisions: RevisionSaver | None, *args, states_at: Collection[int] = (), **kwargs):
         super().__init__(*args, **kwargs)
         self.revisions = revisions
+        self.states_at = frozenset(states_at)
         self._state_due = False
 
     def due(self, state: TrainState, time_due: bool) -> bool:
-        self._state_due = super().due(state, time_due)
+        listed = state.optimizer_steps in self.states_at and state.optimizer_steps != self.last_saved_step
+        self._state_due = listed or super().due(state, time_due)
         return self._state_due or (self.revisions is not None and self.revisions.due(state))
 
     def save(self, state: TrainState) -> Path | None:
