@@ -109,8 +109,8 @@ def end_process_tree(process: subprocess.Popen) -> None:
     process.wait()
 
 
-class Terminated(BaseException):
-    """SIGTERM arrived while a launch ran: raised like Ctrl-C's KeyboardInterrupt, so the launch's tree is ended."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived while a launch ran: handled as Ctrl-C is, so the launch's tree is ended."""
 
 
 def _terminate(signum: int, frame: object) -> None:
