@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch
-from transformers import HfArgumentParser
+from transformers import HfArgumentParser, PretrainedConfig
 
 from cram.cli import option, parse_strictly
 from cram.errors import UserError, run_cli
@@ -39,7 +39,7 @@ from cram.plan.models import (
     recipe_for,
 )
 from cram.plan.report import markdown_table, write_reports
-from cram.plan.space import OPTIMIZERS, candidate_space, select_candidates
+from cram.plan.space import OPTIMIZERS, Candidate, candidate_space, select_candidates
 from cram.plan.sweep import (
     Setting,
     add_estimates,
@@ -275,7 +275,7 @@ def main() -> None:
     print(f"table: {output_dir / 'plan.md'}, chart: {output_dir / 'plan.png'}, data: {output_dir / 'plan.json'}")
 
 
-def predict_step_seconds(config, options: PlanOptions, num_processes: int, use_cpu: bool,
+def predict_step_seconds(config: PretrainedConfig, options: PlanOptions, num_processes: int, use_cpu: bool,
                          device: str) -> float | None:
     """A step's seconds before any is measured (`cram.plan.cost.predicted_step_seconds`): from the GPU table's
     peak, or on the CPU from this process's matrix-product rate (the processes share the cores); None for a GPU
@@ -291,8 +291,8 @@ def predict_step_seconds(config, options: PlanOptions, num_processes: int, use_c
                                   flops_per_token(config, options.seq_len), peak)
 
 
-def time_again(row: dict, candidate, options: PlanOptions, setting: Setting, output_dir: Path, layer_class: str,
-               hidden: int) -> dict:
+def time_again(row: dict, candidate: Candidate, options: PlanOptions, setting: Setting, output_dir: Path,
+               layer_class: str, hidden: int) -> dict:
     """One launch of the side-by-side timing: the candidate's pair at its measured micro-batch, warm-up and
     --timed-steps timed steps."""
     folder = output_dir / "side-by-side"

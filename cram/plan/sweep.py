@@ -134,7 +134,7 @@ def run_launch(command: list[str], log_file: Path, timeout: float,
                 end_process_tree(process)
                 raise
     finally:
-        if on_main_thread:
+        if previous is not None:  # None: not on the main thread, or a handler installed outside Python
             signal.signal(signal.SIGTERM, previous)
 
 
@@ -521,7 +521,8 @@ def apply_paired_timings(rows: list[dict], step_seconds: dict[str, list[list[flo
 def time_side_by_side(leaders: list[dict], rounds: int, launch: Callable[[dict], dict], say=print) -> None:
     """Time the leaders again in interleaved rounds of one sitting (`paired_order`), each round a launch per
     candidate at its measured micro-batch (`launch(row)` returns the probe's result), and apply the timings. A
-    leader whose launch fails now is a failed row: the recipe's run could fail the same way."""
+    leader whose launch fails now (out of memory, or another error) is a row of that failure: the recipe's run
+    could fail the same way."""
     names = [row["candidate"] for row in leaders]
     by_name = {row["candidate"]: row for row in leaders}
     say(f"timing {', '.join(names)} again side by side: {rounds} interleaved round(s)")
@@ -532,7 +533,7 @@ def time_side_by_side(leaders: list[dict], rounds: int, launch: Callable[[dict],
             continue
         result = launch(row)
         if result["status"] != "ok":
-            row.update(status="error", reason=f"failed when timed again side by side: {result['reason']}")
+            row.update(status=result["status"], reason=f"failed when timed again side by side: {result['reason']}")
             timings.pop(name)
             continue
         timings[name].append(result["step_time"]["steps"])
