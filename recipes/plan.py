@@ -22,27 +22,37 @@ from pathlib import Path
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch
-from transformers import HfArgumentParser
+from transformers import HfArgumentParser, PretrainedConfig
 
 from cram.cli import option, parse_strictly
 from cram.errors import UserError, run_cli
-from cram.plan.cost import hardware_price, parse_target, project
+from cram.plan.cost import hardware_price, parse_target, predicted_step_seconds, project
 from cram.plan.emit import launch_command, recipe_flags, write_pair
 from cram.plan.memory import PRUNE_MARGIN, Shape, predicted_bytes
 from cram.plan.models import (
     CRAMMED_BERT_PRESETS,
     check_model_name,
+    flops_per_token,
     is_causal,
     layer_class_name,
     model_config,
     recipe_for,
 )
 from cram.plan.report import markdown_table, write_reports
-from cram.plan.space import OPTIMIZERS, candidate_space, select_candidates
-from cram.plan.sweep import Setting, add_estimates, launch_probe, sweep
+from cram.plan.space import OPTIMIZERS, Candidate, candidate_space, select_candidates
+from cram.plan.sweep import (
+    Setting,
+    add_estimates,
+    clear_launch_files,
+    launch_probe,
+    leading_candidates,
+    sweep,
+    time_side_by_side,
+)
+from cram.plan.timing import matmul_flops
 from cram.train.run import RunOptions, default_num_workers
 from cram.train.runtime import cpu_has_bf16_units, launch_device_type
-from cram.train.throughput import gpu_for_device_name
+from cram.train.throughput import gpu_for_device_name, peak_flops_for_name
 
 # What `days` does not include yet: labelled in the table and the printed estimate.
 LEFT_OUT_OF_DAYS = (
@@ -79,6 +89,9 @@ class PlanOptions:
         0.05, "the spread (half the interquartile range over the median) at which a candidate's timing stops")
     candidate_timeout: float = option(3600.0, "seconds one candidate's launch may take before it counts as hung")
     retry_failed: bool = option(False, "measure again the candidates whose cached result is a failure")
+    paired_rounds: int = option(
+        3, "rounds in which the sweep's leaders are timed again side by side, interleaved, before the pick (each "
+           "round a launch per leader; 0: pick from the sweep's own timings)")
     verify: bool = option(False, "run the winner again for --verify-steps steps: predicted against observed time")
     verify_steps: int = option(10, "timed optimizer steps of the --verify run")
     target: str | None = option(None, "also project to hardware you do not have, e.g. 8xh100 (from the GPU table)")
@@ -119,9 +132,10 @@ def parse_options() -> PlanOptions:
     if options.seq_len <= 0 or options.global_batch_size <= 0:
         raise UserError("--seq-len and --global-batch-size must be positive: give e.g. --seq-len 128.")
     if options.spread_bound < 0 or options.price_per_gpu_hour is not None and options.price_per_gpu_hour < 0 \
-            or options.checkpoint_every_minutes < 0 or options.num_workers is not None and options.num_workers < 0:
-        raise UserError("--spread-bound, --price-per-gpu-hour, --checkpoint-every-minutes and --num-workers cannot "
-                        "be negative: give e.g. 0.05, 2.5, 30 and 2.")
+            or options.checkpoint_every_minutes < 0 or options.num_workers is not None and options.num_workers < 0 \
+            or options.paired_rounds < 0:
+        raise UserError("--spread-bound, --price-per-gpu-hour, --checkpoint-every-minutes, --num-workers and "
+                        "--paired-rounds cannot be negative: give e.g. 0.05, 2.5, 30, 2 and 3.")
     if options.warmup_steps < 1 or options.timed_steps < 2 or options.verify_steps < 2:
         raise UserError("give at least 1 warm-up step and 2 timed steps (--warmup-steps, --timed-steps, "
                         "--verify-steps): a spread needs two.")
@@ -182,13 +196,27 @@ def main() -> None:
           f"{options.seq_len} tokens per step) on {num_processes} × {device}, {limit / 2**30:.2f} GiB per device; "
           f"{len(candidates)} of {len(space)} candidates")
     rows = sweep(candidates, setting, shape, limit, output_dir, layer_class_name(config), options.candidate_timeout,
-                 host_limit_bytes=host_limit, retry_failed=options.retry_failed)
+                 host_limit_bytes=host_limit, retry_failed=options.retry_failed,
+                 predicted_step_seconds=predict_step_seconds(config, options, num_processes, use_cpu, device),
+                 paired_rounds=options.paired_rounds, verify_steps=options.verify_steps if options.verify else 0)
     gpu = None if use_cpu else gpu_for_device_name(device)
     price = hardware_price(num_processes, gpu) if gpu else None
     steps = recipe.steps
-    rows = add_estimates(rows, steps, recipe.budget_hours, options.global_batch_size * options.seq_len, price,
-                         options.price_per_gpu_hour, checkpoint_steps=recipe.checkpoint_steps,
-                         checkpoint_every_seconds=options.checkpoint_every_minutes * 60, ramp_end=recipe.ramp_end)
+
+    def estimate(rows: list[dict]) -> list[dict]:
+        return add_estimates(rows, steps, recipe.budget_hours, options.global_batch_size * options.seq_len, price,
+                             options.price_per_gpu_hour, checkpoint_steps=recipe.checkpoint_steps,
+                             checkpoint_every_seconds=options.checkpoint_every_minutes * 60,
+                             ramp_end=recipe.ramp_end)
+
+    rows = estimate(rows)
+    leaders = leading_candidates(rows) if options.paired_rounds else []
+    if leaders:  # the pick from measurements of one sitting, not from timings taken under different loads
+        by_name = {candidate.name: candidate for candidate in candidates}
+        time_side_by_side(leaders, options.paired_rounds, lambda row: time_again(
+            row, by_name[row["candidate"]], options, setting, output_dir, layer_class_name(config),
+            config.hidden_size))
+        rows = estimate(rows)
 
     # Report: table, chart, the winner's config pair and command, projection, verification.
     shrunk = (options.seq_len, options.global_batch_size) != (recipe.seq_len, recipe.global_batch_size)
@@ -201,6 +229,11 @@ def main() -> None:
     winner = next((row for row in rows if row["status"] == "ok"), None)
     if winner is None:
         write_reports(plan, output_dir)
+        failed = [row["candidate"] for row in rows if row["status"] == "error"]
+        if failed:
+            raise UserError(f"no candidate ran, and {', '.join(failed)} failed with an error that is not out of "
+                            f"memory: see {output_dir / 'plan.md'} for each cause, fix it, then plan again with "
+                            "--retry-failed.")
         raise UserError(f"no candidate fits: see {output_dir / 'plan.md'} for each reason, then give more memory "
                         "(--memory-limit), more devices, or a shorter --seq-len.")
     winning = next(candidate for candidate in candidates if candidate.name == winner["candidate"])
@@ -226,8 +259,12 @@ def main() -> None:
              if winner.get("cloud_cost_usd") is not None else ""))
     print(f"days leave out: {'; '.join(LEFT_OUT_OF_DAYS)}")
     if tied:
-        print(f"a tie: {', '.join(tied)} time within the noise of {winning.name} (their median ± half the "
-              f"interquartile range overlap); picked the one with the most memory headroom")
+        print(f"a tie: {', '.join(tied)} time within the noise of {winning.name}, timed side by side (their "
+              f"median ± half the interquartile range overlap); picked the lower median")
+    failed = [row for row in rows if row["status"] == "error"]
+    if failed:
+        print(f"failed, not out of memory (see {output_dir / 'plan.md'}): "
+              + "; ".join(f"{row['candidate']}: {row['reason']}" for row in failed))
     print(f"run it with:\n    {command}" + ("\n(DATA: your training data, as recipes/pythia.py --help describes)"
                                              if is_causal(options.model) else ""))
     if options.target is not None:
@@ -236,6 +273,43 @@ def main() -> None:
         plan["verify"] = verify(winner, winning, options, accelerate_file, output_dir, setting.num_workers)
     write_reports(plan, output_dir)
     print(f"table: {output_dir / 'plan.md'}, chart: {output_dir / 'plan.png'}, data: {output_dir / 'plan.json'}")
+
+
+def predict_step_seconds(config: PretrainedConfig, options: PlanOptions, num_processes: int, use_cpu: bool,
+                         device: str) -> float | None:
+    """A step's seconds before any is measured (`cram.plan.cost.predicted_step_seconds`): from the GPU table's
+    peak, or on the CPU from this process's matrix-product rate (the processes share the cores); None for a GPU
+    the table does not hold."""
+    if use_cpu:
+        peak = matmul_flops(torch.bfloat16 if cpu_has_bf16_units() else torch.float32)
+    else:
+        one_device = peak_flops_for_name(device)
+        if one_device is None:
+            return None
+        peak = one_device * num_processes
+    return predicted_step_seconds(options.global_batch_size * options.seq_len,
+                                  flops_per_token(config, options.seq_len), peak)
+
+
+def time_again(row: dict, candidate: Candidate, options: PlanOptions, setting: Setting, output_dir: Path,
+               layer_class: str, hidden: int) -> dict:
+    """One launch of the side-by-side timing: the candidate's pair at its measured micro-batch, warm-up and
+    --timed-steps timed steps."""
+    folder = output_dir / "side-by-side"
+    accelerate_file = write_pair(candidate, folder / "pairs", setting.num_processes, setting.use_cpu, layer_class,
+                                 hidden)
+    result_file = folder / f"{candidate.name}.json"
+    request = {
+        "mode": "time", "model": options.model, "candidate": candidate.to_dict(), "seq_len": options.seq_len,
+        "global_batch_size": options.global_batch_size, "memory_limit_bytes": row["memory_limit_bytes"],
+        "micro_batch": row["micro_batch"], "warmup_steps": options.warmup_steps,
+        "timed_steps": options.timed_steps, "max_timed_steps": options.timed_steps, "spread_bound": 0.0,
+        "precision": "auto", "compile": "auto", "cache_dir": os.environ.get("CRAM_CACHE"),
+        "num_workers": setting.num_workers, "result": str(result_file),
+    }
+    clear_launch_files(result_file)
+    return launch_probe(accelerate_file, request, folder / f"{candidate.name}.request.json",
+                        options.candidate_timeout)
 
 
 def describe_saves(row: dict) -> str:
@@ -275,7 +349,7 @@ def verify(winner: dict, winning, options: PlanOptions, accelerate_file: Path, o
            num_workers: int) -> dict:
     """Launch the emitted pair again for N steps at the winner's micro-batch: predicted against observed."""
     result_file = output_dir / "verify" / "result.json"
-    result_file.unlink(missing_ok=True)
+    clear_launch_files(result_file)
     request = {
         "mode": "time", "model": options.model, "candidate": winning.to_dict(), "seq_len": options.seq_len,
         "global_batch_size": options.global_batch_size, "memory_limit_bytes": winner["memory_limit_bytes"],

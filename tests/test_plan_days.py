@@ -120,7 +120,8 @@ def test_ramp_steps_agree_with_the_loops_own_schedule(budget, micro_seconds, ful
 
 
 def row(median: float, accumulation: int, save_seconds: float) -> dict:
-    return {"candidate": "zero1", "status": "ok", "source": "measured", "micro_batch": 8,
+    return {"candidate": "zero1", **Candidate("zero1").to_dict(), "status": "ok", "source": "measured",
+            "micro_batch": 8,
             "accumulation": accumulation, "step_time": {"median": median, "spread": 0.01},
             "tokens_per_second": 1000.0, "num_processes": 2, "peak_memory_bytes": 1.0, "memory_limit_bytes": 4.0,
             "save_seconds": save_seconds, "flops_per_token": 10.0, "peak_flops_per_device": 1e3}
@@ -188,7 +189,8 @@ def test_a_probe_times_one_save_of_what_it_stepped_and_reads_with_the_runs_worke
 
 def test_a_faster_step_with_slow_saves_loses_the_pick_to_the_shorter_run():
     fast_steps, quick_saves = row(1.0, 1, 100.0), row(1.1, 1, 1.0)
-    fast_steps["candidate"], quick_saves["candidate"] = "zero3-offload", "zero2"
+    fast_steps.update(candidate="zero3-offload", **Candidate("zero3", offload=True).to_dict())
+    quick_saves.update(candidate="zero2", **Candidate("zero2").to_dict())
     ranked = add_estimates([fast_steps, quick_saves], steps=1000, budget_hours=None, tokens_per_step=100,
                            hardware_price=None, checkpoint_steps=(0, 500, 1000))
     # 1000 × 1.0 + 3 × 100 = 1300 s against 1000 × 1.1 + 3 × 1 = 1103 s.

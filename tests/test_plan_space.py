@@ -156,12 +156,12 @@ def test_candidates_that_cannot_run_are_rows_with_reasons_not_crashes(tmp_path):
     assert rows[2]["source"] == "rules" and "8-bit" in rows[2]["reason"]
 
 
-def test_a_launch_that_fails_is_an_infeasible_row_with_its_last_error(tmp_path):
+def test_a_launch_that_fails_is_a_failed_row_with_its_last_error_not_out_of_memory(tmp_path):
     broken = tmp_path / "broken.yaml"
     broken.write_text("distributed_type: NOT_A_TYPE\nnum_processes: 1\n")
     request = {"result": str(tmp_path / "result.json")}
     row = launch_probe(broken, request, tmp_path / "request.json", timeout=300)
-    assert row["status"] == "infeasible" and row["reason"].startswith("the launch exited with status")
+    assert row["status"] == "error" and row["reason"].startswith("the launch exited with status")
     assert "NOT_A_TYPE" in row["reason"] or "Error" in row["reason"], row
 
 

@@ -1,13 +1,18 @@
-"""Sweeps that survive failure: one rank out of memory, a hung launch and Ctrl-C, a stale build lock, every form of
-out-of-memory, and a cache that forgets failures when the libraries change or when asked."""
+"""Sweeps that survive failure: one rank out of memory, one rank failing with another error (while probing, while
+timing), a hung launch, Ctrl-C and SIGTERM, a stale build lock and a failed build, every form of out-of-memory, a
+cache that forgets failures when the libraries change or when asked and says when they were measured; and the
+sweep's length said before its first launch."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -23,8 +28,18 @@ from cram.plan import sweep as sweep_module
 from cram.plan.memory import Shape
 from cram.plan.models import model_config
 from cram.plan.probe import CandidateRun, is_out_of_memory
+from cram.plan.report import markdown_table
 from cram.plan.space import Candidate
-from cram.plan.sweep import Setting, build_offload_optimizer, run_launch, search_and_time, sweep
+from cram.plan.sweep import (
+    Setting,
+    Terminated,
+    build_offload_optimizer,
+    rank_failures,
+    run_launch,
+    search_and_time,
+    sweep,
+    sweep_length,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 # A launcher that starts its worker in a session of its own, as torchrun does, then waits on it.
@@ -48,20 +63,41 @@ def test_a_timed_out_launch_leaves_no_process_behind(tmp_path):
     assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
 
 
-def test_ctrl_c_during_a_launch_ends_its_whole_process_tree(tmp_path):
+@pytest.mark.parametrize("signal_number, raised", [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, Terminated)])
+def test_ctrl_c_or_sigterm_during_a_launch_ends_its_whole_process_tree(tmp_path, signal_number, raised):
     # Python's own Ctrl-C handler, as in a fresh `recipes/plan.py`: an earlier in-process test of the session may
     # have left another (the full suite once ran this test with SIGINT caught, and no KeyboardInterrupt came).
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     pid_file = tmp_path / "worker.pid"
-    # Ctrl-C arrives once the worker runs: SIGINT to this process, as a terminal sends it.
-    interrupter = threading.Thread(target=lambda: (wait_for(pid_file.exists), os.kill(os.getpid(), signal.SIGINT)))
+    # The signal arrives once the worker runs: to this process, as a terminal or a job scheduler sends it.
+    interrupter = threading.Thread(target=lambda: (wait_for(pid_file.exists), os.kill(os.getpid(), signal_number)))
     interrupter.start()
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(raised):
         run_launch([sys.executable, "-c", TREE, str(pid_file)], tmp_path / "tree.log", timeout=120)
     interrupter.join()
     signal.signal(signal.SIGINT, previous)
     worker = int(pid_file.read_text())
     assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the planner's handler is the launch's only
+
+
+def test_a_launch_in_which_a_process_failed_is_ended_when_it_does_not_end_itself(tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep_module, "FAILURE_GRACE_SECONDS", 1.0)
+    pid_file = tmp_path / "worker.pid"
+    returncode = run_launch([sys.executable, "-c", TREE, str(pid_file)], tmp_path / "tree.log", timeout=120,
+                            failed=pid_file.exists)  # as if the worker had written its failure and hung
+    assert returncode is not None  # ended for the failure, not for the timeout
+    worker = int(pid_file.read_text())
+    assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
+
+
+def test_the_first_process_to_fail_is_the_cause_not_the_one_that_lost_its_peer(tmp_path):
+    result = tmp_path / "zero1.json"
+    for rank, at, error in ((0, 2.0, "DistBackendError: Connection closed by peer"),
+                            (1, 1.0, "RuntimeError: No space left on device (/dev/shm)")):
+        result.with_suffix(f".rank{rank}.failure.json").write_text(
+            json.dumps({"rank": rank, "out_of_memory": False, "at": at, "error": error}))
+    assert [failure["rank"] for failure in rank_failures(result)] == [1, 0]
 
 
 def wait_for(condition, seconds: float = 60) -> None:
@@ -130,21 +166,61 @@ def measured(monkeypatch) -> list[str]:
     return launched
 
 
-def small_sweep(tmp_path: Path, **options) -> list[dict]:
+def small_sweep(tmp_path: Path, candidates: tuple[Candidate, ...] = (Candidate("zero1"),), say=lambda _: None,
+                **options) -> list[dict]:
     config = model_config("crammed-bert-tiny", 128)
     shape = Shape.of(config, 128, 2, on_cpu=True, activation_bytes=4)
     setting = Setting("crammed-bert-tiny", 128, 16, 2, True, "CPU", None, 1, 2)
-    return sweep([Candidate("zero1")], setting, shape, 2**34, tmp_path, "CrammedBertLayer", timeout=60,
-                 say=lambda _: None, **options)
+    return sweep(list(candidates), setting, shape, 2**34, tmp_path, "CrammedBertLayer", timeout=60, say=say,
+                 **options)
 
 
 def test_a_failure_is_cached_until_the_libraries_change_or_retry_failed_asks(tmp_path, monkeypatch, measured):
     assert small_sweep(tmp_path)[0]["source"] == "measured" and measured == ["zero1"]
-    assert small_sweep(tmp_path)[0]["source"] == "cache" and measured == ["zero1"]
+    said: list[str] = []
+    (cached,) = small_sweep(tmp_path, say=said.append)
+    assert cached["source"] == "cache" and measured == ["zero1"]
+    # A cached failure says that it is one, from when, and how to measure it again, on screen and in the table.
+    cached_failure = r"\(cached, measured \d{4}-\d\d-\d\d \d\d:\d\d UTC: add --retry-failed to measure it again\)"
+    assert re.search(cached_failure, said[-1]) and re.search(cached_failure, markdown_table([cached]))
     assert small_sweep(tmp_path, retry_failed=True)[0]["source"] == "measured" and measured == ["zero1"] * 2
     versions = sweep_module.library_versions()
     monkeypatch.setattr(sweep_module, "library_versions", lambda: {**versions, "deepspeed": "9.9.9"})
     assert small_sweep(tmp_path)[0]["source"] == "measured" and measured == ["zero1"] * 3
+
+
+def test_a_cpu_adam_op_that_does_not_build_is_one_failed_row_and_the_sweep_goes_on(tmp_path, monkeypatch, measured):
+    from deepspeed.accelerator import get_accelerator
+
+    def no_toolkit(self, *args, **kwargs):
+        raise OSError("CUDA_HOME does not exist, unable to compile CUDA op(s)")
+
+    builder = get_accelerator().get_op_builder("CPUAdamBuilder")
+    monkeypatch.setattr(builder, "load", no_toolkit)
+    rows = small_sweep(tmp_path, (Candidate("zero1"), Candidate("zero2", offload=True),
+                                  Candidate("zero3", offload=True)))
+    assert measured == ["zero1"]
+    for row in rows[1:]:
+        assert row["status"] == "error" and row["source"] == "build"
+        assert row["reason"] == ("DeepSpeed's CPU Adam op, which offloading the optimizer needs, did not build: "
+                                 "OSError: CUDA_HOME does not exist, unable to compile CUDA op(s)")
+    assert "failed, not out of memory: DeepSpeed's CPU Adam op" in markdown_table(rows)
+
+
+def test_the_sweep_says_its_length_before_the_first_launch(tmp_path, measured):
+    said: list[str] = []
+    small_sweep(tmp_path, (Candidate("zero1"), Candidate("zero2"), Candidate("fsdp-full")), say=said.append,
+                predicted_step_seconds=2.0, paired_rounds=3, verify_steps=10)
+    assert said[0].startswith("sweep: 2 candidate(s) to launch (0 cached, 1 ruled out") and "measuring" in said[1]
+    setting = Setting("crammed-bert-tiny", 128, 16, 2, True, "CPU", None, warmup_steps=1, timed_steps=2,
+                      max_timed_steps=5)
+    # 2 launched: each at most 2 × 3 probes (4 divisors of 8) + 1 warm-up + 5 timed + 1 save = 13 steps; then the
+    # 2 leaders × 3 rounds of 1 + 2 steps, and a verification of 1 + 10: 26 + 18 + 11 = 55 steps, 2 + 6 + 1 launches.
+    line = sweep_length(2, 0, 1, setting, 2.0, paired_rounds=3, verify_steps=10)
+    assert "then 7 launch(es)" in line and "at most 9 launches and 55 optimizer steps" in line
+    assert "about 110 s at the predicted 2 s per step" in line
+    assert line.endswith("--candidates NAME,NAME measures fewer")
+    assert "no step time can be predicted" in sweep_length(0, 2, 0, setting, None, 0, 0)
 
 
 def test_fsdp_with_eight_bit_adam_is_ruled_out():
@@ -174,12 +250,88 @@ def test_one_rank_out_of_memory_means_that_size_does_not_fit_and_the_sizes_that_
     assert result["status"] == "ok", result
     probes = {probe["micro_batch"]: probe for probe in result["probes"]}
     assert probes[4]["fits"] and not probes[8]["fits"], probes
-    assert "the launch failed at this micro-batch" in probes[8]["reason"]
+    assert "out of memory while probing micro-batch 8 (process 1 failed: OutOfMemoryError" in probes[8]["reason"]
     assert result["micro_batch"] == 4 and result["accumulation"] == 2
     assert json.loads(result_file.read_text())["micro_batch"] == 4
     leftovers = [process for process in psutil.process_iter(["cmdline"])
                  if str(tmp_path / "request.json") in " ".join(process.info["cmdline"] or [])]
     assert not leftovers
+
+
+def fault_request(tmp_path: Path, monkeypatch, recipe_env: dict, fault: str) -> dict:
+    monkeypatch.setenv("CRAM_CACHE", recipe_env["CRAM_CACHE"])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PLAN_FAULT", fault)
+    return {"mode": "search", "model": "crammed-bert-tiny", "candidate": Candidate().to_dict(), "seq_len": 128,
+            "global_batch_size": 16, "memory_limit_bytes": 4 * 2**30, "seed_micro_batch": 8, "warmup_steps": 1,
+            "timed_steps": 3, "precision": "auto", "compile": "false", "cache_dir": recipe_env["CRAM_CACHE"],
+            "result": str(tmp_path / "ddp.json")}
+
+
+def counted_launches(monkeypatch) -> list[dict]:
+    launched: list[dict] = []
+    real_launch_probe = sweep_module.launch_probe
+
+    def launch_probe(*args, **kwargs) -> dict:
+        launched.append(result := real_launch_probe(*args, **kwargs))
+        return result
+
+    monkeypatch.setattr(sweep_module, "launch_probe", launch_probe)
+    return launched
+
+
+def no_process_of(marker: str) -> bool:
+    return not [process for process in psutil.process_iter(["cmdline"])
+                if marker in " ".join(process.info["cmdline"] or [])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault, where", [("probe", "while probing micro-batch 8"),
+                                          ("timing", "while timing micro-batch 8")])
+def test_a_rank_failing_with_another_error_ends_its_candidate_with_that_error_in_one_launch(
+        tmp_path, monkeypatch, recipe_env, fault, where):
+    # Two CPU processes with DDP; process 1 alone fails with an NCCL-like error while process 0 goes on into DDP's
+    # all-reduce. Read as "does not fit", the probe case would search on at smaller sizes and report the candidate
+    # as not fitting; with process 0 left waiting, the timing case would end at the candidate timeout (given here
+    # below the 10-minute collective timeout) with no cause.
+    request = fault_request(tmp_path, monkeypatch, recipe_env, fault)
+    launched = counted_launches(monkeypatch)
+    result = search_and_time(request, REPO / "accel_configs" / "cpu-ddp.yaml", tmp_path / "request.json",
+                             timeout=300, module="tests.plan_rank_error")
+    assert result == {"status": "error", "reason": f"{where}: process 1 failed: RuntimeError: injected on process 1: "
+                      "NCCL error in: ProcessGroupNCCL.cpp, unhandled system error"}
+    assert len(launched) == 1 and not (tmp_path / "ddp.json").exists()
+    assert no_process_of(str(tmp_path / "request.json"))
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_planner_mid_candidate_ends_the_candidates_processes(tmp_path, recipe_env):
+    output_dir = tmp_path / "out"
+    planner = subprocess.Popen(
+        [sys.executable, REPO / "recipes" / "plan.py", "--model", "crammed-bert-tiny", "--memory-limit", "2GiB",
+         "--global-batch-size", "8", "--candidates", "ddp", "--output-dir", output_dir],
+        cwd=REPO, env=recipe_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+
+    def candidate_processes() -> list[psutil.Process]:
+        return [process for process in psutil.process_iter(["cmdline"])
+                if "cram.plan.probe" in (command := " ".join(process.info["cmdline"] or []))
+                and str(output_dir) in command]
+
+    try:
+        wait_for(lambda: len(candidate_processes()) >= 2 or planner.poll() is not None, seconds=300)
+        assert len(candidate_processes()) >= 2, "the candidate's launcher and worker never ran"
+        planner.send_signal(signal.SIGTERM)
+        output, _ = planner.communicate(timeout=120)
+        assert planner.returncode != 0 and "interrupted" in output, output[-2000:]
+        wait_for(lambda: not candidate_processes(), seconds=30)
+        assert not candidate_processes()
+    finally:
+        for process in candidate_processes():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        if planner.poll() is None:
+            planner.kill()
 
 
 def test_the_cache_key_holds_without_deepspeed_installed(monkeypatch):

@@ -65,15 +65,19 @@ def full_sweep(model: str, args: argparse.Namespace, output_dir: Path) -> dict:
     if completed.returncode != 0:
         return {"model": model, "failed": completed.stderr.strip().splitlines()[-1:]}
     rows = json.loads((output_dir / "plan.json").read_text())["rows"]
+    paired = [row for row in rows if row.get("paired")]
     print(f"\nfull sweep of {model} on 1 process: {len(rows)} candidates, "
           f"{sum(row['source'] == 'measured' for row in rows)} launched "
           f"({sum(row['status'] == 'ok' for row in rows)} feasible), "
-          f"{sum(row['source'] in ('rules', 'memory model') for row in rows)} infeasible without a launch; "
+          f"{sum(row['source'] in ('rules', 'memory model') for row in rows)} infeasible without a launch, "
+          f"{', '.join(row['candidate'] for row in paired) or 'none'} timed again side by side "
+          f"({sum(row['paired']['rounds'] for row in paired)} launches); "
           f"wall time {wall:.0f} s; picked {rows[0]['candidate']} at {rows[0]['step_time']['median']:.3f} s/step"
           f"{' (a tie)' if rows[0].get('tie') else ''}, slowest feasible "
           f"{[row for row in rows if row['status'] == 'ok'][-1]['candidate']}; load average at the end: "
           f"{os.getloadavg()[0]:.1f}", flush=True)
-    return {"model": model, "candidates": len(rows), "wall_s": wall, "load_average_end": os.getloadavg()[0],
+    return {"model": model, "candidates": len(rows), "side_by_side": [row["candidate"] for row in paired],
+            "wall_s": wall, "load_average_end": os.getloadavg()[0],
             "rows": rows}
 
 

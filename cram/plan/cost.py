@@ -13,6 +13,9 @@ from cram.train.throughput import GPUS, Gpu
 
 SECONDS_PER_DAY = 86_400.0
 AMORTISATION_DAYS = 5 * 365  # "$100K or 100 Days": hardware price × days / (5 × 365)
+# The share of the peak a training step is taken to reach before anything is measured: only for the sweep's length,
+# said before its first launch (every figure of the plan itself is measured).
+ASSUMED_MFU = 0.35
 # The machine the GPUs sit in, by GPU count.
 BASE_MACHINE_USD = {1: 1_000, 2: 1_500, 4: 7_500, 8: 10_500}
 
@@ -54,6 +57,12 @@ def cloud_cost(price_per_gpu_hour: float | None, count: int, days: float) -> flo
 def analytic_days(total_tokens: float, flops_per_token: float, count: int, peak_flops_per_device: float) -> float:
     """The FLOP-based estimate: the run's model FLOPs at the devices' full peak throughput."""
     return total_tokens * flops_per_token / (count * peak_flops_per_device) / SECONDS_PER_DAY
+
+
+def predicted_step_seconds(tokens_per_step: float, flops_per_token: float, peak_flops: float) -> float:
+    """An optimizer step's seconds before any is measured: its model FLOPs at `ASSUMED_MFU` of `peak_flops` (the
+    FLOP/s of all the devices that share the step)."""
+    return tokens_per_step * flops_per_token / (ASSUMED_MFU * peak_flops)
 
 
 @dataclass(frozen=True)

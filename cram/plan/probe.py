@@ -4,8 +4,10 @@
 
 The parent (`recipes/plan.py`) writes the request and the launch config pair; this process group builds the model,
 optimizer and Accelerate/DeepSpeed set-up exactly as the recipes do (`build_accelerator`, `configure_deepspeed`,
-`accelerator.prepare`, `cram.train.loop.train`), once per probe, and rank 0 writes RESULT.json. A failure of any
-kind is a result ("infeasible", with its reason), not a crash.
+`accelerator.prepare`, `cram.train.loop.train`), once per probe, and rank 0 writes RESULT.json. A process that
+fails (out of memory, or any other error) writes its own error beside it (`rank_failure_path`) and exits at once,
+so that the launcher ends the others instead of leaving them waiting in a collective; the parent reads the first
+failure and decides (`cram.plan.sweep.search_and_time`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from accelerate import Accelerator
@@ -50,8 +53,8 @@ from cram.train.throughput import peak_flops
 PYTHIA_STANDIN_VOCAB = 8192
 # A last guard against a process group stuck in a collective (a rank that died outside a probe): the launch ends.
 COLLECTIVE_TIMEOUT_MINUTES = 10.0
-# How a process of a multi-process search that ran out of memory exits: at once, so that the launcher tears the
-# others down instead of leaving them waiting in a collective, and the parent records the size as not fitting.
+# How a process that ran out of memory exits (any other failure exits with 1): at once, so that the launcher tears
+# the others down instead of leaving them waiting in a collective.
 OUT_OF_MEMORY_EXIT = 75
 # The forms in which an allocator says it ran out of device (or host) memory.
 OUT_OF_MEMORY_MARKERS = ("out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed",
@@ -133,6 +136,28 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or any(marker in text for marker in OUT_OF_MEMORY_MARKERS)
 
 
+def rank_failure_path(result: str | Path, process_index: int) -> Path:
+    """Where process `process_index` writes its own failure, beside the launch's result."""
+    return Path(result).with_suffix(f".rank{process_index}.failure.json")
+
+
+def fail_now(request: dict, process_index: int, error: BaseException) -> NoReturn:
+    """Record this process's failure (its error, whether it is out of memory, when) and end the process at once:
+    cleaning up could enter a collective that the other processes, still stepping, never join."""
+    traceback.print_exc()
+    out_of_memory = is_out_of_memory(error)
+    first_line = (str(error).strip().splitlines() or [""])[0][:300]
+    failure = {"rank": process_index, "out_of_memory": out_of_memory, "at": time.time(),
+               "error": f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__}
+    path = rank_failure_path(request["result"], process_index)
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(failure) + "\n")
+    os.replace(partial, path)
+    print(f"process {process_index} failed: {failure['error']}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(OUT_OF_MEMORY_EXIT if out_of_memory else 1)
+
+
 def note_progress(request: dict, accelerator: Accelerator, entry: dict) -> None:
     """Append one line to the search's progress file (rank 0), so the parent knows what a crashed launch tried."""
     if accelerator.is_main_process and request.get("progress"):
@@ -150,13 +175,11 @@ def probe_once(run: CandidateRun, gauge: MemoryGauge, micro_batch: int, limit_by
     out_of_memory = False
     try:
         run.steps(micro_batch, 1, TimingClock(1, run.accelerator.device))
-    except Exception as caught:  # noqa: BLE001 - only out-of-memory is a "does not fit"; others go up below
+    except Exception as caught:  # noqa: BLE001 - only out-of-memory is a "does not fit"; others go up to main
         if run.accelerator.num_processes > 1:
             # The other processes may be waiting in a collective this one will never join (or have left one this
-            # one was in): end the launch now; the parent counts the size as not fitting.
-            traceback.print_exc()
-            print(f"probe of micro-batch {micro_batch} failed: {caught}", file=sys.stderr, flush=True)
-            os._exit(OUT_OF_MEMORY_EXIT if is_out_of_memory(caught) else 1)
+            # one was in): end the launch now; the parent reads this process's own failure.
+            fail_now(run.request, run.accelerator.process_index, caught)
         if not is_out_of_memory(caught):
             raise
         out_of_memory = True  # not the exception itself: its traceback would keep the probe's tensors alive
@@ -177,6 +200,8 @@ def time_steps(run: CandidateRun, gauge: MemoryGauge, micro_batch: int, warmup: 
     per_process = run.global_batch_size // run.accelerator.num_processes
     accumulation = per_process // micro_batch
     gauge.reset()
+    note_progress(run.request, run.accelerator, {"timing": micro_batch})
+    run.accelerator.wait_for_everyone()  # as in `probe_once`: the note comes before any process can fail
     clock = SettlingClock(warmup, timed, max_timed or timed, spread_bound, run.accelerator.device)
     try:
         run.steps(micro_batch, accumulation, clock)
@@ -266,14 +291,12 @@ def main() -> None:
     request_path = Path(sys.argv[1])
     request = json.loads(request_path.read_text())
     result_path = Path(request["result"])
-    accelerator = build_accelerator(request["precision"], request["compile"], None, str(result_path.parent),
-                                    COLLECTIVE_TIMEOUT_MINUTES)
     try:
+        accelerator = build_accelerator(request["precision"], request["compile"], None, str(result_path.parent),
+                                        COLLECTIVE_TIMEOUT_MINUTES)
         result = run_request(request, accelerator)
-    except Exception as error:  # noqa: BLE001 - a failing candidate is a row of the table, not a crashed sweep
-        traceback.print_exc()
-        result = {"status": "infeasible", "reason": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-                  if str(error) else type(error).__name__}
+    except Exception as error:  # noqa: BLE001 - the parent reads this failure and decides what it means
+        fail_now(request, int(os.environ.get("RANK", "0")), error)
     if accelerator.is_main_process:
         partial = result_path.with_suffix(".partial")
         partial.write_text(json.dumps(result, indent=2) + "\n")

@@ -16,7 +16,23 @@ def _number(value: float | None, fmt: str) -> str:
 def tie_note(rank: int, row: dict) -> str:
     if not row.get("tie"):
         return ""
-    return ", tie: picked, most memory headroom" if rank == 1 else ", tie with #1 (within the noise)"
+    return ", tie: picked, lower median" if rank == 1 else ", tie with #1 (within the noise)"
+
+
+def source_note(row: dict) -> str:
+    source = row["source"]
+    if source == "cache" and row.get("measured_at"):
+        source = f"cache, measured {row['measured_at']}"
+    return source + (", timed side by side" if row.get("paired") else "")
+
+
+def failure_note(row: dict) -> str:
+    """A row without a step time: infeasible (does not fit, or ruled out) or failed with another error, and for a
+    failure from the cache, from when and how to measure it again."""
+    what = "infeasible" if row["status"] == "infeasible" else "failed, not out of memory"
+    cached = (f" (cached, measured {row.get('measured_at', 'in an earlier sweep')}: add --retry-failed to "
+              "measure it again)" if row.get("source") == "cache" else "")
+    return f"{what}: {row['reason']}{cached}"
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -27,7 +43,7 @@ def markdown_table(rows: list[dict]) -> str:
     ]
     for rank, row in enumerate(rows, 1):
         if row["status"] != "ok":
-            lines.append(f"| – | {row['candidate']} | | | | | | | | | | | | infeasible: {row['reason']} |")
+            lines.append(f"| – | {row['candidate']} | | | | | | | | | | | | {failure_note(row)} |")
             continue
         time = row["step_time"]
         lines.append(
@@ -38,7 +54,7 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {_number(row.get('cost_usd'), ',.0f')} "
             f"| {_number(row.get('cloud_cost_usd'), ',.0f')} "
             f"| {_number(row.get('analytic_days'), '.2f')} | {_number(row.get('measured_over_analytic'), '.2f')} "
-            f"| {row['source']}{tie_note(rank, row)} |"
+            f"| {source_note(row)}{tie_note(rank, row)} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -60,9 +76,10 @@ def write_chart(rows: list[dict], path: Path, title: str) -> None:
     axes.barh(positions, seconds, xerr=errors, color=colours)
     for position, row in zip(positions, rows, strict=True):
         if row["status"] != "ok":
-            axes.text(0, position, "  infeasible", va="center", fontsize=8, color="dimgrey")
+            label = "  infeasible" if row["status"] == "infeasible" else "  failed (not out of memory)"
+            axes.text(0, position, label, va="center", fontsize=8, color="dimgrey")
         elif row.get("tie"):
-            label = "  tie: picked (most memory headroom)" if position == 0 else "  tie (within the noise)"
+            label = "  tie: picked (lower median)" if position == 0 else "  tie (within the noise)"
             axes.text(0, position, label, va="center", fontsize=8, color="black")
     axes.set_yticks(list(positions), names, fontsize=8)
     axes.invert_yaxis()

@@ -89,6 +89,17 @@ class StepTimes:
                 "max": max(self.seconds), "steps": self.seconds}
 
 
+def matmul_flops(dtype: torch.dtype, size: int = 512, repeats: int = 8) -> float:
+    """FLOP/s of this process's square matrix products on the CPU, in `dtype`: the CPU's peak, which no table
+    holds, for predicting a step's time before any is measured."""
+    first, second = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    first @ second  # the first product pays for the threads' start-up
+    started = time.perf_counter()
+    for _ in range(repeats):
+        first @ second
+    return 2 * size**3 * repeats / (time.perf_counter() - started)
+
+
 class MemoryGauge:
     """Peak memory of one probe: allocated device memory on a GPU; on the CPU, the growth of this process's peak
     resident set over what it held before the first model was built (the interpreter and libraries are not
