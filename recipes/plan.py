@@ -205,7 +205,7 @@ def main() -> None:
                         "(--memory-limit), more devices, or a shorter --seq-len.")
     winning = next(candidate for candidate in candidates if candidate.name == winner["candidate"])
     accelerate_file = write_pair(winning, output_dir, num_processes, use_cpu, layer_class_name(config),
-                                 config.hidden_size)
+                                 config.hidden_size, shape.zero_init)
     recipe_script, model_flags = recipe_command_parts(options.model)
     flags = recipe_flags(winning, winner["micro_batch"], options.global_batch_size, is_causal(options.model))
     if options.checkpoint_every_minutes != RECIPE_CHECKPOINT_MINUTES:  # the saves the days count
