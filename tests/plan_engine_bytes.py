@@ -94,7 +94,7 @@ def measure(candidate: Candidate, precision: str, folder: Path) -> dict:
     snapshots = []
     epilogue = engine._backward_epilogue
 
-    def counted_epilogue() -> None:
+    def counted_epilogue(epilogue=epilogue, engine=engine) -> None:
         snapshots.append(storages(engine))
         epilogue()
 
@@ -110,11 +110,9 @@ def measure(candidate: Candidate, precision: str, folder: Path) -> dict:
     measured = {"total": sum(nbytes for nbytes, _, _ in held.values()),
                 "16-bit": sum(nbytes for nbytes, dtype, _ in held.values() if dtype.itemsize == 2),
                 "32-bit": sum(nbytes for nbytes, dtype, _ in held.values() if dtype.itemsize == 4)}
-    largest = sorted(held.values(), key=lambda entry: -entry[0])[:12]
     row = {"candidate": candidate.name, "precision": precision, "optimizer": type(engine.optimizer).__name__,
            "zero3_init_flag": launch["zero3_init_flag"], "parameters": shape.parameters, "predicted": predicted,
-           "measured": measured, "parts": [dataclasses.asdict(part) for part in parts],
-           "largest": [(nbytes, str(dtype), path) for nbytes, dtype, path in largest]}
+           "measured": measured, "parts": [dataclasses.asdict(part) for part in parts]}
     engine.destroy()
     del engine, optimizer, model, held
     accelerator.free_memory()
