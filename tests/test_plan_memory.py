@@ -76,6 +76,9 @@ def test_offload_leaves_pythia_12b_about_one_gib_on_the_gpu_and_a_512_gb_node_ke
         if candidate.is_deepspeed:
             reason = prune_reason(candidate, eight, 80 * GIB, host_limit_bytes=node)
             assert reason is None or "host" not in reason, candidate.name
+    # The host model gets the device's margin: a node a little short of the prediction is measured, not pruned.
+    predicted = host_bytes(Candidate("zero2", offload=True), eight)
+    assert prune_reason(Candidate("zero2", offload=True), eight, 80 * GIB, host_limit_bytes=0.9 * predicted) is None
     reason = prune_reason(Candidate("zero2", offload=True), eight, 80 * GIB, host_limit_bytes=64 * 10**9)
     assert reason is not None and "host memory" in reason and "--host-memory-limit" in reason
 
