@@ -24,7 +24,7 @@ from transformers import GPTNeoXConfig, PretrainedConfig
 
 from cram.plan.models import build_model, builds_under_zero_init
 from cram.plan.space import Candidate
-from cram.train.memory import Part, model_state_bytes
+from cram.train.memory import Part, StateBytes, model_state_bytes
 
 # Predictions above the limit by more than this factor are pruned; closer ones are measured (the model is rough).
 PRUNE_MARGIN = 1.25
@@ -79,7 +79,7 @@ def _fsdp_state(candidate: Candidate, shape: Shape) -> tuple[float, float]:
     return shards + grads + optimizer + gathered, loading
 
 
-def zero_state(candidate: Candidate, shape: Shape):
+def zero_state(candidate: Candidate, shape: Shape) -> StateBytes:
     """The memory model's state of a ZeRO candidate, offloaded as its config says (also on the CPU)."""
     return model_state_bytes(shape.parameters, shape.largest_layer_parameters, candidate.zero_stage,
                              candidate.offload, candidate.offload and candidate.zero_stage == 3, shape.num_devices,

@@ -149,6 +149,6 @@ def check_model_fits(parameters: int, accelerator: Accelerator, device_memory_gi
     if (offload_optimizer or offload_param) and state.host > host_memory:
         raise UserError(
             f"{name} needs {state.host / GIB:.1f} GiB of this machine's memory to load its processes' models and "
-            f"hold the offloaded training state, which holds {host_memory / GIB:.1f} GiB, so it cannot train here "
-            f"even with offload: choose a smaller size or more machines, or {planner}."
+            f"hold the offloaded training state, more than the {host_memory / GIB:.1f} GiB it has, so it cannot "
+            f"train here even with offload: choose a smaller size or more machines, or {planner}."
         )
