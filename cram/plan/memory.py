@@ -152,7 +152,7 @@ def prune_reason(candidate: Candidate, shape: Shape, limit_bytes: float,
                  host_limit_bytes: float | None = None) -> str | None:
     """Why the candidate cannot fit even micro-batch 1 (beyond the model's margin) on the device, or at all in the
     node's host memory; None if it may fit."""
-    state, host = state_and_host_bytes(candidate, shape)  # once: DeepSpeed's estimators run inside
+    state, host = state_and_host_bytes(candidate, shape)
     needed = state + activation_bytes(candidate, shape, 1)
     if needed > PRUNE_MARGIN * limit_bytes:
         return f"memory model: {needed / 2**30:.2f} GiB at micro-batch 1 > {limit_bytes / 2**30:.2f} GiB limit"
