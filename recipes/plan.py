@@ -214,8 +214,7 @@ def main() -> None:
     if leaders:  # the pick from measurements of one sitting, not from timings taken under different loads
         by_name = {candidate.name: candidate for candidate in candidates}
         time_side_by_side(leaders, options.paired_rounds, lambda row: time_again(
-            row, by_name[row["candidate"]], options, setting, output_dir, layer_class_name(config),
-            config.hidden_size))
+            row, by_name[row["candidate"]], options, setting, output_dir, layer_class_name(config), shape))
         rows = estimate(rows)
 
     # Report: table, chart, the winner's config pair and command, projection, verification.
@@ -238,7 +237,7 @@ def main() -> None:
                         "(--memory-limit), more devices, or a shorter --seq-len.")
     winning = next(candidate for candidate in candidates if candidate.name == winner["candidate"])
     accelerate_file = write_pair(winning, output_dir, num_processes, use_cpu, layer_class_name(config),
-                                 config.hidden_size)
+                                 config.hidden_size, shape.zero_init)
     recipe_script, model_flags = recipe_command_parts(options.model)
     flags = recipe_flags(winning, winner["micro_batch"], options.global_batch_size, is_causal(options.model))
     if options.checkpoint_every_minutes != RECIPE_CHECKPOINT_MINUTES:  # the saves the days count
@@ -292,12 +291,12 @@ def predict_step_seconds(config: PretrainedConfig, options: PlanOptions, num_pro
 
 
 def time_again(row: dict, candidate: Candidate, options: PlanOptions, setting: Setting, output_dir: Path,
-               layer_class: str, hidden: int) -> dict:
+               layer_class: str, shape: Shape) -> dict:
     """One launch of the side-by-side timing: the candidate's pair at its measured micro-batch, warm-up and
     --timed-steps timed steps."""
     folder = output_dir / "side-by-side"
     accelerate_file = write_pair(candidate, folder / "pairs", setting.num_processes, setting.use_cpu, layer_class,
-                                 hidden)
+                                 shape.hidden, shape.zero_init)
     result_file = folder / f"{candidate.name}.json"
     request = {
         "mode": "time", "model": options.model, "candidate": candidate.to_dict(), "seq_len": options.seq_len,

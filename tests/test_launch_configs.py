@@ -16,8 +16,11 @@ REPO = Path(__file__).resolve().parents[1]
 ACCEL_CONFIGS = sorted((REPO / "accel_configs").glob("*.yaml"))
 DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
 # What the recipes put in for DeepSpeed's "auto" fields (configure_deepspeed), for one process.
+HIDDEN = 64
+# What the recipes fill in, and what Accelerate fills from the model's hidden size (Accelerator._prepare_deepspeed).
 FILLED = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-          "gradient_clipping": 1.0}
+          "gradient_clipping": 1.0, "reduce_bucket_size": HIDDEN * HIDDEN,
+          "stage3_prefetch_bucket_size": int(0.9 * HIDDEN * HIDDEN), "stage3_param_persistence_threshold": 10 * HIDDEN}
 
 
 def fill_auto(config: dict) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from cram.plan.emit import accelerate_config, deepspeed_config, write_pair
 from cram.plan.space import Candidate
 
+REPO = Path(__file__).resolve().parents[1]
 # What Accelerate fills from the model (its hidden size) when the JSON says "auto" (Accelerator._prepare_deepspeed).
 HIDDEN_SIZE_KEYS = ("zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
                     "zero_optimization.stage3_param_persistence_threshold")
@@ -58,3 +60,24 @@ def test_fsdp_and_plain_pairs_parse_as_the_launcher_reads_them(tmp_path):
     assert yaml.safe_load(accelerate_config(Candidate(), 1, False, None, "x"))["distributed_type"] == "NO"
     assert yaml.safe_load(accelerate_config(Candidate(), 2, True, None, "x"))["distributed_type"] == "MULTI_CPU"
     assert "offload_param" not in deepspeed_config(Candidate("zero2", offload=True), 64)["zero_optimization"]
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero2-offload", "zero3", "zero3-offload"])
+def test_the_repositorys_deepspeed_configs_are_the_planners_but_for_the_model_sized_all_gather_bucket(name):
+    # The memory model counts what the emitted config allocates, so the recipes' own configs must allocate the same:
+    # fp32 accumulation and model-sized buckets. Only the all-gather bucket, which Accelerate cannot fill from the
+    # model, stays at DeepSpeed's default in the repository's files.
+    emitted = deepspeed_config(Candidate(name.split("-")[0], offload=name.endswith("-offload")), 768)
+    emitted["zero_optimization"].pop("allgather_bucket_size", None)
+    assert json.loads((REPO / "ds_configs" / f"{name}.json").read_text()) == emitted
+
+
+def test_zero3_asks_for_zero_init_where_the_recipe_builds_under_it():
+    assert yaml.safe_load(accelerate_config(Candidate("zero3"), 8, False, Path("z.json"), "GPTNeoXLayer",
+                                            zero_init=True))["deepspeed_config"]["zero3_init_flag"] is True
+    assert yaml.safe_load(accelerate_config(Candidate("zero2"), 8, False, Path("z.json"), "GPTNeoXLayer",
+                                            zero_init=True))["deepspeed_config"]["zero3_init_flag"] is False
+    assert yaml.safe_load(accelerate_config(Candidate("zero3"), 8, False, Path("z.json"), "CrammedBertLayer",
+                                            zero_init=False))["deepspeed_config"]["zero3_init_flag"] is False
+    launch = yaml.safe_load((REPO / "accel_configs" / "8gpu-zero3-offload.yaml").read_text())
+    assert launch["deepspeed_config"]["zero3_init_flag"] is True

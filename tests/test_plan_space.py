@@ -80,7 +80,8 @@ def test_the_seed_is_a_power_of_two_at_or_below_the_predicted_limit():
     limit = predicted_bytes(Candidate("zero1"), shape, 12)
     assert seed_micro_batch(Candidate("zero1"), shape, limit) == 8
     on_cpu = Shape.of(model_config("pythia-1b", 2048), 2048, 4, on_cpu=True, activation_bytes=2)
-    assert state_bytes(Candidate("zero2", offload=True), on_cpu) == state_bytes(Candidate("zero2"), on_cpu)
+    # On the CPU what offload moves stays in the one memory, with its staging buffers: it saves nothing there.
+    assert state_bytes(Candidate("zero2", offload=True), on_cpu) >= state_bytes(Candidate("zero2"), on_cpu)
 
 
 def test_cost_follows_the_published_amortisation_and_projection_scales_with_peak_and_count():

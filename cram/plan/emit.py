@@ -18,7 +18,14 @@ def deepspeed_config(candidate: Candidate, hidden_size: int) -> dict:
     """The DeepSpeed JSON of `candidate`. Bucket sizes follow the model, not DeepSpeed's 5e8-element default (about
     1.9 GiB per GPU under ZeRO-2 with overlap, whatever the model): "auto" where Accelerate fills them from the
     model's hidden size (hidden², as it does for reduce_bucket_size), the same hidden² for the all-gather bucket,
-    which Accelerate does not fill. Gradients accumulate in fp32 over micro-batches."""
+    which Accelerate does not fill.
+
+    Gradients accumulate in fp32 over micro-batches at every stage: summed in bf16 (8 significant bits), a
+    micro-batch's gradient is rounded away once the running sum is a few hundred times larger, which the long
+    accumulations of a large global batch on few GPUs reach. It costs memory where DeepSpeed keeps the sum whole:
+    under bf16, stage 1 runs DeepSpeed's BF16_Optimizer with a full fp32 gradient on every GPU (2 + 2 + 4 + 12/N
+    bytes per parameter), stage 1 with offload a full fp32 accumulator per parameter, stages 2 and 3 only their
+    fp32 partition; `cram.train.memory.deepspeed_parts` counts each, so the planner weighs it."""
     zero: dict = {"stage": candidate.zero_stage, "reduce_bucket_size": "auto"}
     if candidate.zero_stage in (1, 2):
         zero["allgather_bucket_size"] = hidden_size * hidden_size
@@ -49,12 +56,15 @@ def deepspeed_config(candidate: Candidate, hidden_size: int) -> dict:
 
 
 def accelerate_config(candidate: Candidate, num_processes: int, use_cpu: bool, deepspeed_file: Path | None,
-                      layer_class: str) -> str:
-    """The Accelerate launch config (YAML text) for `candidate` on `num_processes` processes of one machine."""
+                      layer_class: str, zero_init: bool = False) -> str:
+    """The Accelerate launch config (YAML text) for `candidate` on `num_processes` processes of one machine;
+    `zero_init`: the recipe builds its model under `deepspeed.zero.Init` when the launch asks (recipes/pythia.py), so a
+    ZeRO-3 launch asks, and no process holds the whole model, on the host or the device, before it is partitioned."""
     config: dict = {"compute_environment": "LOCAL_MACHINE"}
     if candidate.is_deepspeed:
         config["distributed_type"] = "DEEPSPEED"
-        config["deepspeed_config"] = {"deepspeed_config_file": str(deepspeed_file), "zero3_init_flag": False}
+        config["deepspeed_config"] = {"deepspeed_config_file": str(deepspeed_file),
+                                      "zero3_init_flag": zero_init and candidate.zero_stage == 3}
     elif candidate.is_fsdp:
         config["distributed_type"] = "FSDP"
         config["fsdp_config"] = {
@@ -82,7 +92,7 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 def write_pair(candidate: Candidate, folder: Path, num_processes: int, use_cpu: bool, layer_class: str,
-               hidden_size: int) -> Path:
+               hidden_size: int, zero_init: bool = False) -> Path:
     """Write FOLDER/accel_configs/plan-NAME.yaml (and FOLDER/ds_configs/plan-NAME.json); the YAML's path."""
     deepspeed_file = None
     if candidate.is_deepspeed:
@@ -90,7 +100,7 @@ def write_pair(candidate: Candidate, folder: Path, num_processes: int, use_cpu: 
         write_atomically(deepspeed_file, json.dumps(deepspeed_config(candidate, hidden_size), indent=2) + "\n")
     accelerate_file = folder / "accel_configs" / f"plan-{candidate.name}.yaml"
     write_atomically(accelerate_file,
-                     accelerate_config(candidate, num_processes, use_cpu, deepspeed_file, layer_class))
+                     accelerate_config(candidate, num_processes, use_cpu, deepspeed_file, layer_class, zero_init))
     return accelerate_file
 
 

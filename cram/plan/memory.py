@@ -2,12 +2,15 @@
 before anything runs.
 
 It prunes candidates that cannot fit and seeds the micro-batch search near the limit. Model state comes from the
-toolkit's one model of it (`cram.train.memory.model_state_bytes`: DeepSpeed's own estimators for the ZeRO rows
-under mixed precision, 4 + 4 + 8 bytes per parameter without ZeRO or in fp32). Plain DDP on several processes adds
+toolkit's one model of it (`cram.train.memory.model_state_bytes`: what the DeepSpeed engine allocates under the
+emitted config for the ZeRO rows, 4 + 4 + 8 bytes per parameter without ZeRO). Plain DDP on several processes adds
 its gradient buckets (4 bytes per parameter: Accelerate leaves `gradient_as_bucket_view` off), and 16-bit
 autocast keeps a 16-bit copy of every matmul weight for the backward pass (2 bytes each). FSDP2 keeps fp32
-weights, gradients and moments (4 + 4 + 8), sharded as its strategy says, plus the layer it gathers; its offload
-moves all three to the host. On the CPU host and device memory are one, so offload saves nothing there.
+weight shards, gradients and moments (4 + 4 + 8, sharded) and gathers weights in the autocast dtype (Accelerate's
+mixed-precision policy): one layer at a time, or the whole model from forward to backward where it does not
+reshard after forward; its offload moves the shards, gradients and moments to the host, one copy of each over the
+node. On the CPU host and device memory are one, so a process's whole state counts against the one limit there.
+The host limit gets the device's margin: both are models, and the host's holds no estimator's buffer factor.
 Activations follow Korthikanti et al. (2022): about 34 · seq · hidden bytes per layer and sequence in 16-bit
 (SDPA keeps the seq² scores out of memory); checkpointing keeps only each layer's input plus one layer's
 activations. The logits and their gradient add seq · vocab · 10 bytes per sequence.
@@ -19,9 +22,9 @@ from dataclasses import dataclass
 
 from transformers import GPTNeoXConfig, PretrainedConfig
 
-from cram.plan.models import build_model
+from cram.plan.models import build_model, builds_under_zero_init
 from cram.plan.space import Candidate
-from cram.train.memory import model_state_bytes
+from cram.train.memory import Part, StateBytes, model_state_bytes
 
 # Predictions above the limit by more than this factor are pruned; closer ones are measured (the model is rough).
 PRUNE_MARGIN = 1.25
@@ -42,6 +45,7 @@ class Shape:
     activation_bytes: int = 2  # 2 under bf16/fp16 autocast, 4 in fp32
     largest_layer_parameters: int = 0  # the largest module's own parameters (what ZeRO-3 gathers at once)
     matmul_parameters: int = 0  # weights of the linear layers (autocast keeps a 16-bit copy of each)
+    zero_init: bool = False  # built partitioned under a ZeRO-3 launch (emit.py sets zero3_init_flag for it)
 
     @classmethod
     def of(cls, config: PretrainedConfig, seq_len: int, num_devices: int, on_cpu: bool,
@@ -56,7 +60,7 @@ class Shape:
                       for module in model.modules())
         matmul = sum(module.weight.numel() for module in model.modules() if isinstance(module, torch.nn.Linear))
         return cls(parameters, config.num_hidden_layers, config.hidden_size, config.vocab_size, seq_len, fraction,
-                   num_devices, on_cpu, activation_bytes, largest, matmul)
+                   num_devices, on_cpu, activation_bytes, largest, matmul, builds_under_zero_init(config))
 
     @property
     def mixed_precision(self) -> bool:
@@ -64,18 +68,28 @@ class Shape:
 
 
 def _fsdp_state(candidate: Candidate, shape: Shape) -> tuple[float, float]:
-    """(device, host per node) bytes of FSDP2's fp32 state."""
+    """(device, host per node) bytes of FSDP2's state."""
     p, n = shape.parameters, shape.num_devices
-    weights, grads, optimizer = 4.0 * p, 4.0 * p, 8.0 * p
-    optimizer /= n
-    grads /= n
-    gathered = 4.0 * shape.largest_layer_parameters
-    weights = weights / n + gathered if candidate.sharding == "fsdp-full" else weights
-    host = 4.0 * p * n  # each process loads the whole fp32 model first (cpu_ram_efficient_loading false)
+    shards, grads, optimizer = 4.0 * p / n, 4.0 * p / n, 8.0 * p / n  # fp32, sharded at rest
+    compute = float(shape.activation_bytes)  # the dtype weights are gathered in
+    gathered = compute * (shape.largest_layer_parameters if candidate.sharding == "fsdp-full" else p)
+    loading = 4.0 * p * n  # each process loads the whole fp32 model first (cpu_ram_efficient_loading false)
     if candidate.offload and not shape.on_cpu:
-        host += (weights - gathered if candidate.sharding == "fsdp-full" else weights) * n + (grads + optimizer) * n
-        return gathered, host
-    return weights + grads + optimizer, host
+        return gathered, max(loading, (shards + grads + optimizer) * n)
+    return shards + grads + optimizer + gathered, loading
+
+
+def zero_state(candidate: Candidate, shape: Shape) -> StateBytes:
+    """The memory model's state of a ZeRO candidate, offloaded as its config says (also on the CPU)."""
+    return model_state_bytes(shape.parameters, shape.largest_layer_parameters, candidate.zero_stage,
+                             candidate.offload, candidate.offload and candidate.zero_stage == 3, shape.num_devices,
+                             mixed_precision=shape.mixed_precision,
+                             zero_init=shape.zero_init and candidate.zero_stage == 3)
+
+
+def state_parts(candidate: Candidate, shape: Shape) -> tuple[Part, ...]:
+    """What one process of a ZeRO candidate holds, part by part, at the end of a backward pass."""
+    return zero_state(candidate, shape).parts
 
 
 def state_and_host_bytes(candidate: Candidate, shape: Shape) -> tuple[float, float]:
@@ -84,16 +98,17 @@ def state_and_host_bytes(candidate: Candidate, shape: Shape) -> tuple[float, flo
     if candidate.is_fsdp:
         device, host = _fsdp_state(candidate, shape)
         return device - eight_bit_saving / shape.num_devices, host
-    offload = candidate.offload and not shape.on_cpu
-    state = model_state_bytes(shape.parameters, shape.largest_layer_parameters, candidate.zero_stage, offload,
-                              offload and candidate.zero_stage == 3, shape.num_devices,
-                              mixed_precision=shape.mixed_precision)
-    device = state.device
     if candidate.is_deepspeed:
-        if not offload:  # an offloaded 8-bit optimizer is refused (DeepSpeed swaps in its 32-bit CPU Adam)
+        state = zero_state(candidate, shape)
+        device = state.device
+        if shape.on_cpu:  # one memory: the process's offloaded parts count against it too
+            device += sum(part.bytes for part in state.parts if part.where == "host")
+        if not candidate.offload:  # an offloaded 8-bit optimizer is refused (DeepSpeed swaps in its 32-bit CPU Adam)
             device -= eight_bit_saving / shape.num_devices
         return device, state.host
-    device -= eight_bit_saving
+    state = model_state_bytes(shape.parameters, shape.largest_layer_parameters, 0, False, False, shape.num_devices,
+                              mixed_precision=shape.mixed_precision)
+    device = state.device - eight_bit_saving
     if shape.num_devices > 1:
         device += 4.0 * shape.parameters  # DDP's gradient buckets
     if shape.mixed_precision:
@@ -137,11 +152,11 @@ def prune_reason(candidate: Candidate, shape: Shape, limit_bytes: float,
                  host_limit_bytes: float | None = None) -> str | None:
     """Why the candidate cannot fit even micro-batch 1 (beyond the model's margin) on the device, or at all in the
     node's host memory; None if it may fit."""
-    state, host = state_and_host_bytes(candidate, shape)  # once: DeepSpeed's estimators run inside
+    state, host = state_and_host_bytes(candidate, shape)
     needed = state + activation_bytes(candidate, shape, 1)
     if needed > PRUNE_MARGIN * limit_bytes:
         return f"memory model: {needed / 2**30:.2f} GiB at micro-batch 1 > {limit_bytes / 2**30:.2f} GiB limit"
-    if host_limit_bytes is not None and not shape.on_cpu and host > host_limit_bytes:
+    if host_limit_bytes is not None and not shape.on_cpu and host > PRUNE_MARGIN * host_limit_bytes:
         return (f"host memory model: {host / 2**30:.1f} GiB of host memory on the node > "
                 f"{host_limit_bytes / 2**30:.1f} GiB host limit (--host-memory-limit)")
     return None

@@ -74,10 +74,19 @@ def model_config(name: str, seq_len: int) -> PretrainedConfig:
     )
 
 
-def build_model(config: PretrainedConfig) -> torch.nn.Module:
-    if isinstance(config, GPTNeoXConfig):  # initialised as released; built whole, as before, not under zero.Init
-        return build_pythia_model(pythia_size_of(config), config, zero_init=False)
+def build_model(config: PretrainedConfig, zero_init: bool = False) -> torch.nn.Module:
+    """The model, initialised as its recipe initialises it; a Pythia model under `deepspeed.zero.Init` where
+    `zero_init` (the launch's zero3_init_flag), as recipes/pythia.py builds it. Crammed BERT is built whole, as
+    recipes/cram.py builds it."""
+    if isinstance(config, GPTNeoXConfig):
+        return build_pythia_model(pythia_size_of(config), config, zero_init=zero_init)
     return CrammedBertForMaskedLM(config)
+
+
+def builds_under_zero_init(config: PretrainedConfig) -> bool:
+    """Whether a ZeRO-3 launch builds this model partitioned (`deepspeed.zero.Init`): recipes/pythia.py does,
+    recipes/cram.py builds crammed BERT whole."""
+    return isinstance(config, GPTNeoXConfig)
 
 
 def count_parameters(config: PretrainedConfig) -> int:

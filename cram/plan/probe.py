@@ -107,7 +107,7 @@ class CandidateRun:
             plugin.deepspeed_config.clear()
             plugin.deepspeed_config.update(copy.deepcopy(self.deepspeed_file_config))
         set_seed(0)
-        model = build_model(self.config)
+        model = build_model(self.config, zero_init=plugin is not None and plugin.is_zero3_init_enabled())
         if self.candidate.checkpointing:
             model.activation_checkpointing_enable({"use_reentrant": False})
         optimizer = build_adamw(model, 1e-4, (0.9, 0.95), 1e-8, 0.01,

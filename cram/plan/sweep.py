@@ -344,7 +344,7 @@ def sweep(candidates: list[Candidate], setting: Setting, shape: Shape, limit_byt
             say(f"    {candidate.name}: {describe_row(row)}")
             continue
         accelerate_file = write_pair(candidate, cache / "pairs", setting.num_processes, setting.use_cpu,
-                                     layer_class, shape.hidden)
+                                     layer_class, shape.hidden, shape.zero_init)
         request = {
             "mode": "search", "model": setting.model, "candidate": candidate.to_dict(),
             "seq_len": setting.seq_len, "global_batch_size": setting.global_batch_size,

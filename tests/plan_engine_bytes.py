@@ -1,0 +1,136 @@
+"""Run under `accelerate launch` on 2 CPU processes: build each ZeRO candidate's DeepSpeed engine from the planner's
+emitted launch pair, in bf16 and in fp32, step it, and write the bytes it holds per rank beside the memory model's
+prediction (rank 0 writes OUTPUT.json).
+
+    accelerate launch --config_file accel_configs/cpu-zero1.yaml tests/plan_engine_bytes.py OUTPUT.json
+
+Every tensor reachable from the engine, its optimizer and the model's parameters is counted once per storage, after
+one optimizer step and a second backward pass (weights, gradients, master copies, moments and buffers all live)."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import yaml
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+from cram.plan.emit import write_pair
+from cram.plan.memory import Shape, state_parts
+from cram.plan.models import build_model, layer_class_name, model_config
+from cram.plan.space import Candidate
+from cram.train.optim import build_adamw
+from cram.train.runtime import configure_deepspeed, prepare_deepspeed_on_the_cpu
+
+MODEL = "pythia-14m"
+VOCAB = 8192  # a small vocabulary: the embeddings stay one layer among others
+SEQ_LEN = 32
+MICRO_BATCH = 2
+
+
+def storages(root: object) -> dict[int, tuple[int, torch.dtype, str]]:
+    """{storage address: (bytes, dtype, where found)} of every tensor reachable from `root` through DeepSpeed's and
+    torch's objects, lists, dicts and parameter attributes."""
+    found: dict[int, tuple[int, torch.dtype, str]] = {}
+    seen: set[int] = set()
+    stack: list[tuple[object, str]] = [(root, "engine")]
+    while stack:
+        item, path = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            if item.device.type != "meta":
+                storage = item.untyped_storage()
+                if storage.nbytes() and storage.data_ptr() not in found:
+                    found[storage.data_ptr()] = (storage.nbytes(), item.dtype, path)
+            if item.grad is not None:
+                stack.append((item.grad, path + ".grad"))
+            stack.extend((value, f"{path}.{key}") for key, value in vars(item).items())
+            continue
+        if isinstance(item, dict):
+            stack.extend((value, f"{path}[{key!r}]") for key, value in item.items())
+            stack.extend((key, f"{path}<key>") for key in item if isinstance(key, torch.Tensor))
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend((value, f"{path}[{index}]") for index, value in enumerate(item))
+        elif type(item).__module__.startswith(("deepspeed", "torch.optim", "torch.nn", "transformers", "cram")) \
+                or dataclasses.is_dataclass(item):
+            with_state = getattr(item, "__dict__", None)
+            if with_state is not None:
+                stack.extend((value, f"{path}.{key}") for key, value in with_state.items())
+            if isinstance(item, torch.optim.Optimizer):
+                stack.extend((value, f"{path}.state") for value in item.state.values())
+    return found
+
+
+def measure(candidate: Candidate, precision: str, folder: Path) -> dict:
+    config = model_config(MODEL, SEQ_LEN)
+    config.vocab_size = VOCAB
+    shape = Shape.of(config, SEQ_LEN, 2, on_cpu=True, activation_bytes=2 if precision == "bf16" else 4)
+    accelerate_file = write_pair(candidate, folder, 2, True, layer_class_name(config), config.hidden_size,
+                                 shape.zero_init)
+    launch = yaml.safe_load(accelerate_file.read_text())["deepspeed_config"]
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+    plugin = DeepSpeedPlugin(hf_ds_config=launch["deepspeed_config_file"], zero3_init_flag=launch["zero3_init_flag"])
+    accelerator = Accelerator(mixed_precision=precision, deepspeed_plugin=plugin,
+                              kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+    configure_deepspeed(accelerator, MICRO_BATCH, MICRO_BATCH * accelerator.num_processes, 1.0)
+    torch.manual_seed(0)
+    model = build_model(config, zero_init=plugin.is_zero3_init_enabled())
+    optimizer = build_adamw(model, 1e-4, (0.9, 0.95), 1e-8, 0.01)
+    engine, optimizer = accelerator.prepare(model, optimizer)
+    tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ_LEN))
+    accelerator.backward(engine(input_ids=tokens, labels=tokens).loss)  # the engine steps inside, at the boundary
+    # The second step's state at its fullest: when backward has made every gradient, before the reduction at its end
+    # frees what this rank does not own, and again after it (where DeepSpeed reduces within backward).
+    snapshots = []
+    epilogue = engine._backward_epilogue
+
+    def counted_epilogue(epilogue=epilogue, engine=engine) -> None:
+        snapshots.append(storages(engine))
+        epilogue()
+
+    engine._backward_epilogue = counted_epilogue
+    engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+    snapshots.append(storages(engine))
+    engine.step()
+    held = max(snapshots, key=lambda found: sum(nbytes for nbytes, _, _ in found.values()))
+    parts = state_parts(candidate, shape)
+    predicted = {"total": sum(part.bytes for part in parts),
+                 "16-bit": sum(part.bytes for part in parts if part.element_bytes == 2),
+                 "32-bit": sum(part.bytes for part in parts if part.element_bytes == 4)}
+    measured = {"total": sum(nbytes for nbytes, _, _ in held.values()),
+                "16-bit": sum(nbytes for nbytes, dtype, _ in held.values() if dtype.itemsize == 2),
+                "32-bit": sum(nbytes for nbytes, dtype, _ in held.values() if dtype.itemsize == 4)}
+    row = {"candidate": candidate.name, "precision": precision, "optimizer": type(engine.optimizer).__name__,
+           "zero3_init_flag": launch["zero3_init_flag"], "parameters": shape.parameters, "predicted": predicted,
+           "measured": measured, "parts": [dataclasses.asdict(part) for part in parts]}
+    engine.destroy()
+    del engine, optimizer, model, held
+    accelerator.free_memory()
+    gc.collect()
+    return row
+
+
+def main() -> None:
+    prepare_deepspeed_on_the_cpu()
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for precision in ("bf16", "no"):
+            for stage in (1, 2, 3):
+                for offload in (False, True):
+                    rows.append(measure(Candidate(f"zero{stage}", offload=offload), precision, Path(folder)))
+    if torch.distributed.get_rank() == 0:
+        Path(sys.argv[1]).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
