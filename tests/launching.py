@@ -1,8 +1,11 @@
-"""Every process a test starts, and the 2-process recipe launches that several test modules inspect.
+"""Every process a test starts, the one way a test runs a recipe in its own process, and the 2-process recipe launches
+that several test modules inspect.
 
-A process runs in a session of its own under a deadline; when the deadline passes, or the test stops for any reason
-(a failed assertion, pytest-timeout, Ctrl-C), the process and every process under it are ended, so no test can hang
-on a launch or leave its ranks running behind it."""
+A process runs in a session of its own under a deadline, its output going to files (polling it never leaves it
+blocked on a full pipe, and a process under it that keeps the output open cannot hold up the end). When the deadline
+passes, or the test stops for any reason (a failed assertion, pytest-timeout, Ctrl-C), the process, every process
+under it and its session's process group are killed, and the test's report shows the end of the output. Only this
+module starts processes (tests/test_launching.py checks it)."""
 
 from __future__ import annotations
 
@@ -12,20 +15,24 @@ import runpy
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
-from cram.plan.sweep import end_process_tree, free_port
+from cram.plan.sweep import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 # A guard against a hung process, not a speed limit. Below pytest-timeout's (pyproject.toml: `timeout`, checked in
-# conftest.py), so a hung launch is ended here with its output shown, before pytest-timeout ends the whole test.
+# conftest.py), so a hung process is ended here with its output in the failure, before pytest-timeout ends the test.
 HANG_GUARD = 900
+OUTPUT_TAIL = 3000  # characters of a process's output a failure shows
+PYTHON_PROGRAMS = ("python", "accelerate", "torchrun", "deepspeed")
 
 
 class LaunchNotMarked(AssertionError):
@@ -42,8 +49,7 @@ def allow_launches(allowed: bool) -> None:
 
 
 def starts_python(command: list) -> bool:
-    program = Path(str(command[0])).name
-    return program.startswith("python") or program == ACCELERATE.name or str(command[0]) == sys.executable
+    return Path(str(command[0])).name.startswith(PYTHON_PROGRAMS) or str(command[0]) == sys.executable
 
 
 def accelerate_launch(config: Path | str) -> list:
@@ -52,63 +58,108 @@ def accelerate_launch(config: Path | str) -> list:
     return [ACCELERATE, "launch", "-q", "--config_file", config, "--main_process_port", str(free_port())]
 
 
+class StartedProcess:
+    """A process `started` runs, its stdout and stderr going to files in `folder`."""
+
+    def __init__(self, command: list, folder: Path, **options) -> None:
+        self.args = [str(part) for part in command]
+        self.stdout_file, self.stderr_file = folder / "stdout", folder / "stderr"
+        with open(self.stdout_file, "wb") as stdout, open(self.stderr_file, "wb") as stderr:
+            self.process = subprocess.Popen(self.args, stdout=stdout, stderr=stderr, start_new_session=True,
+                                            **options)
+        self.pid = self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def output(self) -> tuple[str, str]:
+        """Its stdout and stderr so far."""
+        return tuple(path.read_text(errors="replace") for path in (self.stdout_file, self.stderr_file))
+
+    def output_tail(self) -> str:
+        stdout, stderr = self.output()
+        return (stderr or stdout)[-OUTPUT_TAIL:]
+
+    def finished(self, timeout: float = HANG_GUARD, check: bool = False) -> subprocess.CompletedProcess:
+        """Wait for it to end, at most `timeout` seconds: past that, it is killed with every process under it and
+        the test fails with the end of its output."""
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"{' '.join(self.args)[:300]} ran past its {timeout:g} s guard and was killed with every "
+                        f"process under it; its output ended with:\n{self.output_tail()}")
+        completed = subprocess.CompletedProcess(self.args, self.returncode, *self.output())
+        if check and completed.returncode != 0:
+            pytest.fail(f"{' '.join(self.args)[:300]} exited with status {completed.returncode}:\n"
+                        f"{self.output_tail()}")
+        return completed
+
+    def kill(self) -> None:
+        """Kill it, every process under it (torchrun starts each worker in a session of its own) and its process
+        group (what a process that has already ended left running), then collect its exit status."""
+        tree = []
+        if self.process.poll() is None:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                parent = psutil.Process(self.pid)
+                tree = [parent, *parent.children(recursive=True)]
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        for member in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                member.kill()
+        psutil.wait_procs(tree, timeout=30)
+        self.process.wait(timeout=30)
+
+
 @contextlib.contextmanager
-def started(command: list, **options) -> Iterator[subprocess.Popen]:
-    """`subprocess.Popen(command)`, text output piped, in a session of its own; the process tree is ended on leaving."""
+def started(command: list, **options) -> Iterator[StartedProcess]:
+    """`subprocess.Popen(command, **options)` in a session of its own, its output to files; on leaving, for any
+    reason, it is killed with every process under it. A test that leaves by an error shows the end of its output."""
     if starts_python(command) and not _running_test_may_launch:
-        raise LaunchNotMarked("this test starts a Python process: mark it `launch` (pytest.mark.launch, or through "
-                              "a fixture conftest.py counts), so `make test-fast` leaves it out")
-    process = subprocess.Popen([str(part) for part in command], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True, **options)
-    try:
-        yield process
-    finally:
-        end(process)
-
-
-def end(process: subprocess.Popen) -> None:
-    """End `process`, every process under it and its session's group, then collect what is left of its output."""
-    end_process_tree(process)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
-    for stream in (process.stdout, process.stderr):
-        if stream is not None:
-            stream.close()
+        raise LaunchNotMarked(f"this test starts a Python process ({Path(str(command[0])).name}): mark it `launch` "
+                              "(pytest.mark.launch, or a fixture that conftest.py counts), so `make test-fast` "
+                              "leaves it out")
+    with tempfile.TemporaryDirectory(prefix="cram-test-process-") as folder:
+        process = StartedProcess(command, Path(folder), **options)
+        try:
+            yield process
+        except BaseException:
+            process.kill()
+            sys.stderr.write(f"\n{' '.join(process.args)[:300]}\nended by the test; its output ended with:\n"
+                             f"{process.output_tail()}\n")
+            raise
+        finally:
+            process.kill()
 
 
 def run(command: list, *, timeout: float = HANG_GUARD, check: bool = False, **options) -> subprocess.CompletedProcess:
-    """`subprocess.run(command, capture_output=True, text=True)` under `started`: past `timeout` the whole tree is
-    ended and the test fails with the process's last output."""
+    """`subprocess.run(command, capture_output=True, text=True)`, run under `started` with a deadline: past
+    `timeout`, or with `check` and a non-zero exit, the test fails with the end of the process's output."""
     with started(command, **options) as process:
-        try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            end_process_tree(process)
-            stdout, stderr = process.communicate()
-            pytest.fail(f"{' '.join(map(str, command))[:300]} ran past its {timeout:.0f} s guard; it ended with:\n"
-                        f"{(stderr or stdout or '')[-3000:]}")
-    completed = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-    if check:
-        completed.check_returncode()
-    return completed
+        return process.finished(timeout, check)
 
 
-def wait_until(condition: Callable[[], bool], process: subprocess.Popen | None = None,
-               seconds: float = HANG_GUARD, interval: float = 0.005) -> None:
+def wait_until(condition: Callable[[], object], process: StartedProcess | None = None,
+               seconds: float = HANG_GUARD, interval: float = 0.005, what: str = "the awaited event") -> None:
     """Poll until `condition()` holds; the test fails when `process` ends first or `seconds` pass."""
     deadline = time.monotonic() + seconds
     while not condition():
         if process is not None and process.poll() is not None:
-            stderr = process.stderr.read() if process.stderr is not None else ""
-            pytest.fail(f"the process ended (exit {process.returncode}) before the awaited event:\n{stderr[-3000:]}")
+            pytest.fail(f"the process ended (exit {process.returncode}) before {what}:\n{process.output_tail()}")
         if time.monotonic() > deadline:
-            pytest.fail(f"the awaited event did not happen within {seconds:.0f} s")
+            tail = f"; its output ended with:\n{process.output_tail()}" if process is not None else ""
+            pytest.fail(f"{what} did not happen within {seconds:g} s{tail}")
         time.sleep(interval)
 
 
 def run_recipe_in_process(monkeypatch, capsys, recipe: Path, arguments: list) -> tuple[object, str]:
     """Run `python RECIPE ARGUMENTS` in this process and return its exit status and stderr: for bad input, which a
-    recipe refuses before any training (a fresh interpreter per case costs about 10 s of imports)."""
+    recipe refuses before any training (a fresh interpreter per case costs seconds of imports)."""
     monkeypatch.setattr(sys, "argv", [str(recipe), *map(str, arguments)])
     monkeypatch.setattr(sys, "path", list(sys.path))  # a recipe drops its own folder from the import path
     with pytest.raises(SystemExit) as stopped:
@@ -171,5 +222,5 @@ def launch_two_processes(name: str, folder: Path, env: dict[str, str]) -> Launch
                script, *DISTRIBUTED_RUN, "--micro-batch-size", "8", "--output-dir", folder / "run", *options]
     started_at = time.monotonic()
     completed = run(command, cwd=REPO, env=env)
-    assert completed.returncode == 0, f"{name}: {completed.stderr[-3000:]}"
+    assert completed.returncode == 0, f"{name}: {completed.stderr[-OUTPUT_TAIL:]}"
     return LaunchedRun(folder / "run", time.monotonic() - started_at, inductor_cache, group_timeouts)
