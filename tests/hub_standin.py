@@ -72,7 +72,7 @@ class HubStandIn:
     def __exit__(self, *exc_info: object) -> None:
         self.server.shutdown()
         self.server.server_close()
-        self.thread.join()
+        self.thread.join(timeout=60)  # a guard: shutdown() returns once serve_forever has
 
     def files(self, repo_id: str, revision: str = "main") -> dict[str, bytes]:
         with self.lock:

@@ -39,6 +39,14 @@ class LaunchNotMarked(AssertionError):
     pass
 
 
+def check_hang_guard(test_timeout: float) -> None:
+    """Refuse a HANG_GUARD at or above pytest-timeout's `timeout` (0: none): a hung process would be ended with the
+    whole test, without its output, rather than by its own guard."""
+    if test_timeout and HANG_GUARD >= test_timeout:
+        raise pytest.UsageError(f"tests/launching.py's HANG_GUARD ({HANG_GUARD:g} s) must be below pytest-timeout's "
+                                f"`timeout` ({test_timeout:g} s, from pyproject.toml or --timeout): lower HANG_GUARD.")
+
+
 # Whether the running test carries the `launch` mark; conftest.py sets it before each test.
 _running_test_may_launch = True
 

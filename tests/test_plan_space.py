@@ -4,11 +4,11 @@ budget, the memory model's orderings, the cost formula, the emitted configs, and
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from launching import run
 
 from cram.errors import UserError
 from cram.plan.cost import GPUS, amortised_cost, hardware_price, parse_target, project
@@ -134,11 +134,10 @@ def test_bad_input_is_refused_before_anything_runs(plan_recipe, monkeypatch, tmp
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.launch
 def test_an_unknown_model_gets_one_sentence_and_exit_status_2(tmp_path):
-    completed = subprocess.run(
-        [sys.executable, REPO / "recipes" / "plan.py", "--model", "pythia-7b", "--output-dir", tmp_path / "out"],
-        capture_output=True, text=True, timeout=300,
-    )
+    command = [sys.executable, REPO / "recipes" / "plan.py", "--model", "pythia-7b", "--output-dir", tmp_path / "out"]
+    completed = run(command, timeout=300)
     assert completed.returncode == 2
     lines = completed.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: unknown model 'pythia-7b'"), completed.stderr[-2000:]

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 import torch
+from launching import wait_until
 
 from cram.errors import UserError
 from cram.plan import sweep as sweep_module
@@ -70,11 +71,12 @@ def test_ctrl_c_or_sigterm_during_a_launch_ends_its_whole_process_tree(tmp_path,
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     pid_file = tmp_path / "worker.pid"
     # The signal arrives once the worker runs: to this process, as a terminal or a job scheduler sends it.
-    interrupter = threading.Thread(target=lambda: (wait_for(pid_file.exists), os.kill(os.getpid(), signal_number)))
+    interrupter = threading.Thread(target=lambda: (wait_for_pid(pid_file), os.kill(os.getpid(), signal_number)))
     interrupter.start()
     with pytest.raises(raised):
         run_launch([sys.executable, "-c", TREE, str(pid_file)], tmp_path / "tree.log", timeout=120)
-    interrupter.join()
+    interrupter.join(timeout=60)
+    assert not interrupter.is_alive()
     signal.signal(signal.SIGINT, previous)
     worker = int(pid_file.read_text())
     assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
@@ -100,11 +102,10 @@ def test_the_first_process_to_fail_is_the_cause_not_the_one_that_lost_its_peer(t
     assert [failure["rank"] for failure in rank_failures(result)] == [1, 0]
 
 
-def wait_for(condition, seconds: float = 60) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(0.5)  # the pid file is written: let its writer close it
+def wait_for_pid(pid_file: Path) -> None:
+    """Wait until the launcher has written its worker's pid (the file exists a moment before it holds the pid)."""
+    wait_until(lambda: pid_file.exists() and pid_file.read_text().strip().isdigit(), seconds=60, interval=0.01,
+               what="the worker's pid")
 
 
 @pytest.mark.parametrize("message, expected", [
