@@ -1,4 +1,4 @@
-"""Every process a test starts, the one way a test runs a recipe in its own process, and the 2-process recipe launches
+"""Every process a test starts, the ways a test runs a recipe in its own process, and the 2-process recipe launches
 that several test modules inspect.
 
 A process runs in a session of its own under a deadline, its output going to files (polling it never leaves it
@@ -10,6 +10,7 @@ module starts processes (tests/test_launching.py checks it)."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import runpy
 import signal
@@ -20,6 +21,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+from typing import NoReturn
 
 import psutil
 import pytest
@@ -72,6 +75,8 @@ class StartedProcess:
     def __init__(self, command: list, folder: Path, **options) -> None:
         self.args = [str(part) for part in command]
         self.stdout_file, self.stderr_file = folder / "stdout", folder / "stderr"
+        self.output_reported = False  # whether a failure has shown the end of its output
+        options.setdefault("stdin", subprocess.DEVNULL)  # a question on a terminal would wait for an answer
         with open(self.stdout_file, "wb") as stdout, open(self.stderr_file, "wb") as stderr:
             self.process = subprocess.Popen(self.args, stdout=stdout, stderr=stderr, start_new_session=True,
                                             **options)
@@ -99,13 +104,16 @@ class StartedProcess:
             self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            pytest.fail(f"{' '.join(self.args)[:300]} ran past its {timeout:g} s guard and was killed with every "
-                        f"process under it; its output ended with:\n{self.output_tail()}")
+            self.fail(f"ran past its {timeout:g} s guard and was killed with every process under it; its output "
+                      "ended with")
         completed = subprocess.CompletedProcess(self.args, self.returncode, *self.output())
         if check and completed.returncode != 0:
-            pytest.fail(f"{' '.join(self.args)[:300]} exited with status {completed.returncode}:\n"
-                        f"{self.output_tail()}")
+            self.fail(f"exited with status {completed.returncode}")
         return completed
+
+    def fail(self, what: str) -> NoReturn:
+        self.output_reported = True
+        pytest.fail(f"{' '.join(self.args)[:300]} {what}:\n{self.output_tail()}")
 
     def kill(self) -> None:
         """Kill it, every process under it (torchrun starts each worker in a session of its own) and its process
@@ -138,8 +146,9 @@ def started(command: list, **options) -> Iterator[StartedProcess]:
             yield process
         except BaseException:
             process.kill()
-            sys.stderr.write(f"\n{' '.join(process.args)[:300]}\nended by the test; its output ended with:\n"
-                             f"{process.output_tail()}\n")
+            if not process.output_reported:  # on stderr, which pytest shows beside the failure
+                sys.stderr.write(f"\n{' '.join(process.args)[:300]}\nended by the test; its output ended with:\n"
+                                 f"{process.output_tail()}\n")
             raise
         finally:
             process.kill()
@@ -157,12 +166,23 @@ def wait_until(condition: Callable[[], object], process: StartedProcess | None =
     """Poll until `condition()` holds; the test fails when `process` ends first or `seconds` pass."""
     deadline = time.monotonic() + seconds
     while not condition():
-        if process is not None and process.poll() is not None:
-            pytest.fail(f"the process ended (exit {process.returncode}) before {what}:\n{process.output_tail()}")
+        if process is not None and process.poll() is not None and not condition():  # not what it did as it ended
+            process.fail(f"ended (exit {process.returncode}) before {what}; its output ended with")
         if time.monotonic() > deadline:
-            tail = f"; its output ended with:\n{process.output_tail()}" if process is not None else ""
-            pytest.fail(f"{what} did not happen within {seconds:g} s{tail}")
+            if process is not None:
+                process.fail(f"ran {seconds:g} s without {what}; its output ended with")
+            pytest.fail(f"{what} did not happen within {seconds:g} s")
         time.sleep(interval)
+
+
+def load_recipe(path: Path, name: str) -> ModuleType:
+    """Import a recipe script as the module `name`, to call its parts in this process (recipes/ is no package, and
+    its cram.py would shadow the `cram` package)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up while being defined
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_recipe_in_process(monkeypatch, capsys, recipe: Path, arguments: list) -> tuple[object, str]:

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 from glue_fixtures import write_glue_dir
-from launching import run
+from launching import load_recipe, run
 from readymade_standin import write_readymade_standin
-from recipe_import import load_recipe
 from transformers import AutoTokenizer
 
 from cram.data.passes import describe_passes, passes_by_steps, report_passes_once_timed

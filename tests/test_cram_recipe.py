@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import re
@@ -15,7 +14,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from launching import ACCELERATE, run
+from launching import ACCELERATE, load_recipe, run
 from safetensors.torch import load_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
@@ -211,11 +210,7 @@ def test_a_run_resumed_under_a_wall_clock_budget_continues_its_clock_and_schedul
 @pytest.fixture(scope="module")
 def recipe_module() -> ModuleType:
     """recipes/cram.py imported into this process, so bad input is checked without starting Python each time."""
-    spec = importlib.util.spec_from_file_location("cram_recipe", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while being defined
-    spec.loader.exec_module(module)
-    return module
+    return load_recipe(RECIPE, "cram_recipe")
 
 
 @pytest.fixture(scope="module")

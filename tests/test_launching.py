@@ -84,6 +84,14 @@ def test_what_a_finished_process_left_running_in_its_group_is_killed():
     assert_all_gone([int(completed.stdout.split()[-1])])
 
 
+def test_a_wait_fails_when_its_process_ends_first_or_its_deadline_passes():
+    with started(["sh", "-c", "echo the last words >&2; exit 3"]) as process:
+        with pytest.raises(pytest.fail.Exception, match=r"ended \(exit 3\) before the checkpoint(.|\n)*the last words"):
+            wait_until(lambda: False, process, FAMILY_GUARD_SECONDS, what="the checkpoint")
+    with pytest.raises(pytest.fail.Exception, match="the checkpoint did not happen within 0.01 s"):
+        wait_until(lambda: False, seconds=0.01, what="the checkpoint")
+
+
 def test_a_python_process_is_refused_to_a_test_without_the_launch_mark():
     for command in ([sys.executable, "-c", "pass"], [launching.ACCELERATE, "launch", "train.py"]):
         with pytest.raises(LaunchNotMarked, match="mark it `launch`"):

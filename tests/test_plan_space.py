@@ -3,12 +3,11 @@ budget, the memory model's orderings, the cost formula, the emitted configs, and
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
-from launching import run
+from launching import load_recipe, run
 
 from cram.errors import UserError
 from cram.plan.cost import GPUS, amortised_cost, hardware_price, parse_target, project
@@ -107,11 +106,7 @@ def test_pythia_table_gives_the_released_parameter_counts():
 @pytest.fixture(scope="module")
 def plan_recipe():
     """recipes/plan.py as a module, so bad input is checked in-process (one subprocess test checks the exit)."""
-    spec = importlib.util.spec_from_file_location("plan_recipe", REPO / "recipes" / "plan.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_recipe(REPO / "recipes" / "plan.py", "plan_recipe")
 
 
 @pytest.mark.parametrize("arguments, env, message", [

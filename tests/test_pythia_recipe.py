@@ -20,8 +20,7 @@ import pytest
 import safetensors.torch
 import torch
 from hub_standin import HubStandIn
-from launching import accelerate_launch, run, started, wait_until
-from recipe_import import load_recipe
+from launching import accelerate_launch, load_recipe, run, started, wait_until
 from safetensors.torch import load as load_safetensors
 from transformers import AutoModelForCausalLM
 
