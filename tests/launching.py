@@ -89,6 +89,9 @@ class StartedProcess:
     def poll(self) -> int | None:
         return self.process.poll()
 
+    def send_signal(self, number: int) -> None:
+        self.process.send_signal(number)
+
     def output(self) -> tuple[str, str]:
         """Its stdout and stderr so far."""
         return tuple(path.read_text(errors="replace") for path in (self.stdout_file, self.stderr_file))

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -22,7 +21,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 import torch
-from launching import wait_until
+from launching import started, wait_until
 
 from cram.errors import UserError
 from cram.plan import sweep as sweep_module
@@ -308,31 +307,27 @@ def test_a_rank_failing_with_another_error_ends_its_candidate_with_that_error_in
 @pytest.mark.slow
 def test_sigterm_to_the_planner_mid_candidate_ends_the_candidates_processes(tmp_path, recipe_env):
     output_dir = tmp_path / "out"
-    planner = subprocess.Popen(
-        [sys.executable, REPO / "recipes" / "plan.py", "--model", "crammed-bert-tiny", "--memory-limit", "2GiB",
-         "--global-batch-size", "8", "--candidates", "ddp", "--output-dir", output_dir],
-        cwd=REPO, env=recipe_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
+    command = [sys.executable, REPO / "recipes" / "plan.py", "--model", "crammed-bert-tiny", "--memory-limit", "2GiB",
+               "--global-batch-size", "8", "--candidates", "ddp", "--output-dir", output_dir]
 
     def candidate_processes() -> list[psutil.Process]:
         return [process for process in psutil.process_iter(["cmdline"])
                 if "cram.plan.probe" in (command := " ".join(process.info["cmdline"] or []))
                 and str(output_dir) in command]
 
-    try:
-        wait_for(lambda: len(candidate_processes()) >= 2 or planner.poll() is not None, seconds=300)
-        assert len(candidate_processes()) >= 2, "the candidate's launcher and worker never ran"
-        planner.send_signal(signal.SIGTERM)
-        output, _ = planner.communicate(timeout=120)
-        assert planner.returncode != 0 and "interrupted" in output, output[-2000:]
-        wait_for(lambda: not candidate_processes(), seconds=30)
-        assert not candidate_processes()
-    finally:
-        for process in candidate_processes():
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()
-        if planner.poll() is None:
-            planner.kill()
+    with started(command, cwd=REPO, env=recipe_env) as planner:
+        try:
+            wait_until(lambda: len(candidate_processes()) >= 2, planner, seconds=300,
+                       what="the candidate's launcher and worker")
+            planner.send_signal(signal.SIGTERM)
+            stopped = planner.finished(timeout=120)
+            output = stopped.stdout + stopped.stderr
+            assert stopped.returncode != 0 and "interrupted" in output, output[-2000:]
+            wait_until(lambda: not candidate_processes(), seconds=30, what="the end of the candidate's processes")
+        finally:
+            for process in candidate_processes():
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.kill()
 
 
 def test_the_cache_key_holds_without_deepspeed_installed(monkeypatch):
