@@ -38,8 +38,8 @@ PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loa
 test: setup
 	$(PYTEST)
 
-# The inner loop: no test that starts a recipe process of its own (the `launch` mark, tests/conftest.py) or is
-# marked `slow` (lm-eval's task registry, in-process compilation).
+# The inner loop: no test that starts a Python process (the `launch` mark, which tests/launching.py insists on) or
+# is marked `slow` (lm-eval's task registry, in-process compilation).
 test-fast: setup
 	$(PYTEST) -m "not launch and not slow"
 

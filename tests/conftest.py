@@ -1,20 +1,17 @@
-"""Fixtures shared by the test modules, and the 2-process launches that several test modules inspect."""
+"""Fixtures shared by the test modules (their processes start through tests/launching.py), and the `launch` mark."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import subprocess
 import sys
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
+import launching
 import pytest
 import torch
-from launching import accelerate_launch
 
 from cram.data import embedded_corpus_path
 from cram.train import runtime
@@ -44,25 +41,38 @@ def cpu_bf16_units(request, monkeypatch) -> bool:
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
     return request.param
 
+
 REPO = Path(__file__).resolve().parents[1]
-# Guards against a hung run, not speed limits: a loaded machine may take many times a quiet one's minute.
-HANG_GUARD = 1800
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """pytest-timeout's `timeout` (pyproject.toml, or --timeout) must leave room for each process's own guard."""
+    given = config.getoption("timeout", None)
+    launching.check_hang_guard(float(config.getini("timeout") or 0) if given is None else float(given))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark `launch` every test that starts a recipe in processes of its own (all of them get `recipe_env`, directly
-    or through a fixture), so `make test-fast` can leave them out.
+    """Mark `launch` every test that gets `recipe_env` (directly or through a fixture): those start recipes in
+    processes of their own, so `make test-fast` can leave them out. A test that starts another Python process carries
+    the mark itself; `launching.started` refuses one that does not (`pytest_runtest_setup`).
 
     For `make test`'s workers (pytest-xdist, `--dist loadfile`: a module runs whole on one worker, so its shared
     launches are made once): hand out the modules with the most launches first, so the long ones do not start last
     and leave the other worker idle. The order is the same in every worker, as xdist requires."""
     launches: dict[str, int] = {}
     for item in items:
-        launched = "recipe_env" in getattr(item, "fixturenames", ())
-        if launched:
+        if "recipe_env" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.launch)
+        launched = item.get_closest_marker("launch") is not None
         launches[item.module.__name__] = launches.get(item.module.__name__, 0) + launched
     items.sort(key=lambda item: -launches[item.module.__name__])  # stable: a module's tests keep their order
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before the test's fixtures are set up (a session fixture starts its processes inside the first test that
+    asks for it): only a test marked `launch` may start a Python process."""
+    launching.allow_launches(item.get_closest_marker("launch") is not None)
 
 
 @pytest.fixture(scope="session")
@@ -96,45 +106,6 @@ def recipe_env(cram_cache: Path) -> dict[str, str]:
     return {**os.environ, "CRAM_CACHE": str(cram_cache), "TOKENIZERS_PARALLELISM": "false"}
 
 
-# The recipe command of the 2-process runs and of their 1-process reference: a step budget, fp32, and a global
-# micro-step of 16 sequences (16 on one process, or 8 on each of two); a target of 64 accumulates up to 4 of them.
-DISTRIBUTED_RUN = ["--preset", "tiny", "--max-steps", "4", "--target-batch-size", "64", "--precision", "fp32",
-                   "--log-every", "1"]
-COLLECTIVE_TIMEOUT_MINUTES = 0.25
-PREPARATION_SECONDS = 25  # longer than the collective timeout
-
-
-@dataclass(frozen=True)
-class TwoProcessLaunch:
-    """One launch of `recipes/cram.py` on 2 CPU processes, shared by every test that inspects it."""
-
-    config: str  # accel_configs/<config>.yaml
-    compiled: bool = False
-    # Prepare the data afresh, slowed past a short collective timeout (tests/slow_preparation.py).
-    slowed_preparation: bool = False
-
-
-# Each launch serves several checks (tests/test_distributed.py): equality with one process, and the launch path's
-# effects: a collective timeout outlasted, inductor's code run under DDP and ZeRO-2.
-# ZeRO-3 with offload has no launch here: tests/test_distributed.py checks it on the run it stops by SIGTERM and
-# resumes. Nor has ZeRO-1: the Pythia recipe's ZeRO-1 launch (tests/test_pythia_recipe.py) checks it against one
-# process on the same engine, and DeepSpeed runs stages 1 and 2 through one optimizer (stage_1_and_2.py).
-SLOWED_PREPARATION = "ddp-slowed-preparation"
-TWO_PROCESS_LAUNCHES = {
-    SLOWED_PREPARATION: TwoProcessLaunch("cpu-ddp", slowed_preparation=True),
-    "ddp-compiled": TwoProcessLaunch("cpu-ddp", compiled=True),
-    "zero2-compiled": TwoProcessLaunch("cpu-zero2", compiled=True),
-}
-
-
-@dataclass(frozen=True)
-class LaunchedRun:
-    output_dir: Path
-    seconds: float  # wall time of the launch
-    inductor_cache: Path  # TORCHINDUCTOR_CACHE_DIR: inductor writes the code it generates there
-    group_timeouts: Path  # rank-N.json: the process group's timeout (slowed-preparation launches only)
-
-
 @pytest.fixture(scope="session")
 def distributed_cache(tmp_path_factory, cram_cache) -> Path:
     """The data cache of the 2-process runs and their reference: only the corpus's text at first, so the
@@ -145,36 +116,18 @@ def distributed_cache(tmp_path_factory, cram_cache) -> Path:
 
 
 @pytest.fixture(scope="session")
-def two_process_run(tmp_path_factory, recipe_env, distributed_cache) -> Callable[[str], LaunchedRun]:
+def two_process_run(tmp_path_factory, recipe_env, distributed_cache) -> Callable[[str], launching.LaunchedRun]:
     """`two_process_run(name)` launches TWO_PROCESS_LAUNCHES[name] the first time it is asked for, then reuses it.
 
     The slowed-preparation launch always goes first: it must find the set unprepared."""
-    launched: dict[str, LaunchedRun] = {}
+    launched: dict[str, launching.LaunchedRun] = {}
 
-    def run(name: str) -> LaunchedRun:
-        if name in launched:
-            return launched[name]
-        launch = TWO_PROCESS_LAUNCHES[name]
-        if not launch.slowed_preparation:
-            run(SLOWED_PREPARATION)
-        folder = tmp_path_factory.mktemp(name)
-        result = LaunchedRun(folder / "run", 0.0, folder / "inductor", folder / "group-timeouts")
-        result.group_timeouts.mkdir()
-        env = {**recipe_env, "CRAM_CACHE": str(distributed_cache),
-               "TORCHINDUCTOR_CACHE_DIR": str(result.inductor_cache)}
-        script, options = REPO / "recipes" / "cram.py", ["--compile", "true" if launch.compiled else "false"]
-        if launch.slowed_preparation:
-            env.update(CRAM_TEST_PREPARATION_SECONDS=str(PREPARATION_SECONDS),
-                       CRAM_TEST_GROUP_TIMEOUT_DIR=str(result.group_timeouts))
-            script = REPO / "tests" / "slow_preparation.py"
-            options += ["--collective-timeout-minutes", str(COLLECTIVE_TIMEOUT_MINUTES)]
-        command = [*accelerate_launch(REPO / "accel_configs" / f"{launch.config}.yaml"),
-                   script, *DISTRIBUTED_RUN, "--micro-batch-size", "8", "--output-dir", result.output_dir, *options]
-        started = time.monotonic()
-        completed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_GUARD)
-        assert completed.returncode == 0, f"{name}: {completed.stderr[-3000:]}"
-        launched[name] = LaunchedRun(result.output_dir, time.monotonic() - started, result.inductor_cache,
-                                     result.group_timeouts)
+    def run(name: str) -> launching.LaunchedRun:
+        if name not in launched:
+            if not launching.TWO_PROCESS_LAUNCHES[name].slowed_preparation:
+                run(launching.SLOWED_PREPARATION)
+            launched[name] = launching.launch_two_processes(
+                name, tmp_path_factory.mktemp(name), {**recipe_env, "CRAM_CACHE": str(distributed_cache)})
         return launched[name]
 
     return run
@@ -183,7 +136,7 @@ def two_process_run(tmp_path_factory, recipe_env, distributed_cache) -> Callable
 @pytest.fixture(scope="session")
 def distributed_env(recipe_env, distributed_cache, two_process_run) -> dict[str, str]:
     """The environment of every other run compared with the 2-process runs: their data cache, once prepared."""
-    two_process_run(SLOWED_PREPARATION)
+    two_process_run(launching.SLOWED_PREPARATION)
     return {**recipe_env, "CRAM_CACHE": str(distributed_cache)}
 
 
@@ -191,8 +144,8 @@ def distributed_env(recipe_env, distributed_cache, two_process_run) -> dict[str,
 def single_process_reference(tmp_path_factory, distributed_env) -> Path:
     """The 2-process runs' reference: one process, 16 sequences per micro-batch, the same global batch."""
     output_dir = tmp_path_factory.mktemp("single")
-    command = [sys.executable, REPO / "recipes" / "cram.py", *DISTRIBUTED_RUN, "--micro-batch-size", "16",
+    command = [sys.executable, REPO / "recipes" / "cram.py", *launching.DISTRIBUTED_RUN, "--micro-batch-size", "16",
                "--output-dir", output_dir]
-    completed = subprocess.run(command, env=distributed_env, capture_output=True, text=True, timeout=HANG_GUARD)
+    completed = launching.run(command, env=distributed_env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     return output_dir

@@ -10,12 +10,13 @@ a route the stand-in does not know is recorded in `unknown_routes` and answered 
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import re
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
@@ -53,6 +54,9 @@ class HubStandIn:
         self.requests: list[RecordedRequest] = []
         self.unknown_routes: list[str] = []
         self.commit_refusal: tuple[int, str] | None = None  # (status, reason) to answer every commit with
+        self.in_flight = self.most_in_flight = 0  # requests arrived and not yet answered: now, and at most
+        # Held while a request changes or reads the state above, not while it waits (`before_answer`): requests are
+        # answered side by side, as the Hub answers them, so a client that sends two at once is seen doing it.
         self.lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self.handler_class())
         self.server.daemon_threads = True
@@ -68,10 +72,26 @@ class HubStandIn:
     def __exit__(self, *exc_info: object) -> None:
         self.server.shutdown()
         self.server.server_close()
-        self.thread.join()
+        self.thread.join(timeout=60)  # a guard: shutdown() returns once serve_forever has
 
     def files(self, repo_id: str, revision: str = "main") -> dict[str, bytes]:
-        return self.repos[repo_id].branches[revision]
+        with self.lock:
+            return self.repos[repo_id].branches[revision]
+
+    def before_answer(self, method: str, path: str) -> None:
+        """Called for each authorised request before it is answered, outside the lock: a stand-in that holds a
+        request back (tests/test_hub_background.py) overrides it, and holds back that request alone."""
+
+    @contextlib.contextmanager
+    def counted_in_flight(self) -> Iterator[None]:
+        with self.lock:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.in_flight -= 1
 
     def handler_class(self) -> type[BaseHTTPRequestHandler]:
         hub = self
@@ -121,23 +141,24 @@ class HubStandIn:
                     self.wfile.write(data)
 
             def handle_request(self) -> None:
-                body = self.read_body()
-                path = urlsplit(self.path).path
+                with hub.counted_in_flight():
+                    self.reply(*self.answer(self.read_body(), urlsplit(self.path).path))
+
+            def answer(self, body: bytes, path: str) -> tuple:
+                headers = {name.lower(): value for name, value in self.headers.items()}
                 with hub.lock:
-                    headers = {name.lower(): value for name, value in self.headers.items()}
                     hub.requests.append(RecordedRequest(self.command, self.path, headers, body))
-                    if hub.token is not None and self.headers.get("Authorization") != f"Bearer {hub.token}":
-                        self.reply(401, {"error": INVALID_CREDENTIALS}, {"X-Error-Message": INVALID_CREDENTIALS})
-                        return
+                if hub.token is not None and self.headers.get("Authorization") != f"Bearer {hub.token}":
+                    return 401, {"error": INVALID_CREDENTIALS}, {"X-Error-Message": INVALID_CREDENTIALS}
+                hub.before_answer(self.command, path)
+                with hub.lock:
                     for method, pattern, route in hub.routes():
                         match = re.fullmatch(pattern, path)
                         if method == self.command and match:
                             arguments = {name: unquote(value) for name, value in match.groupdict().items() if value}
-                            status, payload, *extra_headers = route(body, **arguments)
-                            self.reply(status, payload, *extra_headers)
-                            return
+                            return route(body, **arguments)
                     hub.unknown_routes.append(f"{self.command} {self.path}")
-                    self.reply(404, {"error": f"the stand-in has no route {self.command} {path}"})
+                return 404, {"error": f"the stand-in has no route {self.command} {path}"}
 
         return Handler
 

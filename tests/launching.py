@@ -1,29 +1,257 @@
-"""The start of every `accelerate launch` command the tests run."""
+"""Every process a test starts, the ways a test runs a recipe in its own process, and the 2-process recipe launches
+that several test modules inspect.
+
+A process runs in a session of its own under a deadline, its output going to files (polling it never leaves it
+blocked on a full pipe, and a process under it that keeps the output open cannot hold up the end). When the deadline
+passes, or the test stops for any reason (a failed assertion, pytest-timeout, Ctrl-C), the process, every process
+under it and its session's process group are killed, and the test's report shows the end of the output. Only this
+module starts processes (tests/test_launching.py checks it)."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import os
 import runpy
+import signal
+import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+from typing import NoReturn
 
+import psutil
 import pytest
 
 from cram.plan.sweep import free_port
 
+REPO = Path(__file__).resolve().parents[1]
 ACCELERATE = Path(sys.executable).with_name("accelerate")
+# A guard against a hung process, not a speed limit. Below pytest-timeout's (pyproject.toml: `timeout`, checked in
+# conftest.py), so a hung process is ended here with its output in the failure, before pytest-timeout ends the test.
+HANG_GUARD = 900
+OUTPUT_TAIL = 3000  # characters of a process's output a failure shows
+PYTHON_PROGRAMS = ("python", "accelerate", "torchrun", "deepspeed")
+
+
+class LaunchNotMarked(AssertionError):
+    pass
+
+
+def check_hang_guard(test_timeout: float) -> None:
+    """Refuse a HANG_GUARD at or above pytest-timeout's `timeout` (0: none): a hung process would be ended with the
+    whole test, without its output, rather than by its own guard."""
+    if test_timeout and HANG_GUARD >= test_timeout:
+        raise pytest.UsageError(f"tests/launching.py's HANG_GUARD ({HANG_GUARD:g} s) must be below pytest-timeout's "
+                                f"`timeout` ({test_timeout:g} s, from pyproject.toml or --timeout): lower HANG_GUARD.")
+
+
+# Whether the running test carries the `launch` mark; conftest.py sets it before each test.
+_running_test_may_launch = True
+
+
+def allow_launches(allowed: bool) -> None:
+    global _running_test_may_launch
+    _running_test_may_launch = allowed
+
+
+def starts_python(command: list) -> bool:
+    return Path(str(command[0])).name.startswith(PYTHON_PROGRAMS) or str(command[0]) == sys.executable
 
 
 def accelerate_launch(config: Path | str) -> list:
     """`accelerate launch -q` with `config` on a free port: at Accelerate's default 29500, two launches at once (two
-    pytest sessions on one machine, or a test beside a user's run) met in one rendezvous and hung."""
+    pytest sessions on one machine, or a test beside a user's run) meet in one rendezvous and hang."""
     return [ACCELERATE, "launch", "-q", "--config_file", config, "--main_process_port", str(free_port())]
+
+
+class StartedProcess:
+    """A process `started` runs, its stdout and stderr going to files in `folder`."""
+
+    def __init__(self, command: list, folder: Path, **options) -> None:
+        self.args = [str(part) for part in command]
+        self.stdout_file, self.stderr_file = folder / "stdout", folder / "stderr"
+        self.output_reported = False  # whether a failure has shown the end of its output
+        options.setdefault("stdin", subprocess.DEVNULL)  # a question on a terminal would wait for an answer
+        with open(self.stdout_file, "wb") as stdout, open(self.stderr_file, "wb") as stderr:
+            self.process = subprocess.Popen(self.args, stdout=stdout, stderr=stderr, start_new_session=True,
+                                            **options)
+        self.pid = self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def send_signal(self, number: int) -> None:
+        self.process.send_signal(number)
+
+    def output(self) -> tuple[str, str]:
+        """Its stdout and stderr so far."""
+        return tuple(path.read_text(errors="replace") for path in (self.stdout_file, self.stderr_file))
+
+    def output_tail(self) -> str:
+        stdout, stderr = self.output()
+        return (stderr or stdout)[-OUTPUT_TAIL:]
+
+    def finished(self, timeout: float = HANG_GUARD, check: bool = False) -> subprocess.CompletedProcess:
+        """Wait for it to end, at most `timeout` seconds: past that, it is killed with every process under it and
+        the test fails with the end of its output."""
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.fail(f"ran past its {timeout:g} s guard and was killed with every process under it; its output "
+                      "ended with")
+        completed = subprocess.CompletedProcess(self.args, self.returncode, *self.output())
+        if check and completed.returncode != 0:
+            self.fail(f"exited with status {completed.returncode}")
+        return completed
+
+    def fail(self, what: str) -> NoReturn:
+        self.output_reported = True
+        pytest.fail(f"{' '.join(self.args)[:300]} {what}:\n{self.output_tail()}")
+
+    def kill(self) -> None:
+        """Kill it, every process under it (torchrun starts each worker in a session of its own) and its process
+        group (what a process that has already ended left running), then collect its exit status."""
+        tree = []
+        if self.process.poll() is None:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                parent = psutil.Process(self.pid)
+                tree = [parent, *parent.children(recursive=True)]
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        for member in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                member.kill()
+        psutil.wait_procs(tree, timeout=30)
+        self.process.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def started(command: list, **options) -> Iterator[StartedProcess]:
+    """`subprocess.Popen(command, **options)` in a session of its own, its output to files; on leaving, for any
+    reason, it is killed with every process under it. A test that leaves by an error shows the end of its output."""
+    if starts_python(command) and not _running_test_may_launch:
+        raise LaunchNotMarked(f"this test starts a Python process ({Path(str(command[0])).name}): mark it `launch` "
+                              "(pytest.mark.launch, or a fixture that conftest.py counts), so `make test-fast` "
+                              "leaves it out")
+    with tempfile.TemporaryDirectory(prefix="cram-test-process-") as folder:
+        process = StartedProcess(command, Path(folder), **options)
+        try:
+            yield process
+        except BaseException:
+            process.kill()
+            if not process.output_reported:  # on stderr, which pytest shows beside the failure
+                sys.stderr.write(f"\n{' '.join(process.args)[:300]}\nended by the test; its output ended with:\n"
+                                 f"{process.output_tail()}\n")
+            raise
+        finally:
+            process.kill()
+
+
+def run(command: list, *, timeout: float = HANG_GUARD, check: bool = False, **options) -> subprocess.CompletedProcess:
+    """`subprocess.run(command, capture_output=True, text=True)`, run under `started` with a deadline: past
+    `timeout`, or with `check` and a non-zero exit, the test fails with the end of the process's output."""
+    with started(command, **options) as process:
+        return process.finished(timeout, check)
+
+
+def wait_until(condition: Callable[[], object], process: StartedProcess | None = None,
+               seconds: float = HANG_GUARD, interval: float = 0.005, what: str = "the awaited event") -> None:
+    """Poll until `condition()` holds; the test fails when `process` ends first or `seconds` pass."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if process is not None and process.poll() is not None and not condition():  # not what it did as it ended
+            process.fail(f"ended (exit {process.returncode}) before {what}; its output ended with")
+        if time.monotonic() > deadline:
+            if process is not None:
+                process.fail(f"ran {seconds:g} s without {what}; its output ended with")
+            pytest.fail(f"{what} did not happen within {seconds:g} s")
+        time.sleep(interval)
+
+
+def load_recipe(path: Path, name: str) -> ModuleType:
+    """Import a recipe script as the module `name`, to call its parts in this process (recipes/ is no package, and
+    its cram.py would shadow the `cram` package)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up while being defined
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_recipe_in_process(monkeypatch, capsys, recipe: Path, arguments: list) -> tuple[object, str]:
     """Run `python RECIPE ARGUMENTS` in this process and return its exit status and stderr: for bad input, which a
-    recipe refuses before any training (a fresh interpreter per case costs about 10 s of imports)."""
+    recipe refuses before any training (a fresh interpreter per case costs seconds of imports)."""
     monkeypatch.setattr(sys, "argv", [str(recipe), *map(str, arguments)])
     monkeypatch.setattr(sys, "path", list(sys.path))  # a recipe drops its own folder from the import path
     with pytest.raises(SystemExit) as stopped:
         runpy.run_path(str(recipe), run_name="__main__")
     return stopped.value.code, capsys.readouterr().err
+
+
+# The recipe command of the 2-process runs and of their 1-process reference: a step budget, fp32, and a global
+# micro-step of 16 sequences (16 on one process, or 8 on each of two); a target of 64 accumulates up to 4 of them.
+DISTRIBUTED_RUN = ["--preset", "tiny", "--max-steps", "4", "--target-batch-size", "64", "--precision", "fp32",
+                   "--log-every", "1"]
+COLLECTIVE_TIMEOUT_MINUTES = 0.25
+PREPARATION_SECONDS = 25  # longer than the collective timeout
+
+
+@dataclass(frozen=True)
+class TwoProcessLaunch:
+    """One launch of `recipes/cram.py` on 2 CPU processes, shared by every test that inspects it."""
+
+    config: str  # accel_configs/<config>.yaml
+    compiled: bool = False
+    # Prepare the data afresh, slowed past a short collective timeout (tests/slow_preparation.py).
+    slowed_preparation: bool = False
+
+
+# Each launch serves several checks (tests/test_distributed.py): equality with one process, and the launch path's
+# effects: a collective timeout outlasted, inductor's code run under DDP and ZeRO-2.
+# ZeRO-3 with offload has no launch here: tests/test_distributed.py checks it on the run it stops by SIGTERM and
+# resumes. Nor has ZeRO-1: the Pythia recipe's ZeRO-1 launch (tests/test_pythia_recipe.py) checks it against one
+# process on the same engine, and DeepSpeed runs stages 1 and 2 through one optimizer (stage_1_and_2.py).
+SLOWED_PREPARATION = "ddp-slowed-preparation"
+TWO_PROCESS_LAUNCHES = {
+    SLOWED_PREPARATION: TwoProcessLaunch("cpu-ddp", slowed_preparation=True),
+    "ddp-compiled": TwoProcessLaunch("cpu-ddp", compiled=True),
+    "zero2-compiled": TwoProcessLaunch("cpu-zero2", compiled=True),
+}
+
+
+@dataclass(frozen=True)
+class LaunchedRun:
+    output_dir: Path
+    seconds: float  # wall time of the launch
+    inductor_cache: Path  # TORCHINDUCTOR_CACHE_DIR: inductor writes the code it generates there
+    group_timeouts: Path  # rank-N.json: the process group's timeout (slowed-preparation launches only)
+
+
+def launch_two_processes(name: str, folder: Path, env: dict[str, str]) -> LaunchedRun:
+    """Launch TWO_PROCESS_LAUNCHES[name] into `folder`, with the data cache `env` names."""
+    launch = TWO_PROCESS_LAUNCHES[name]
+    inductor_cache, group_timeouts = folder / "inductor", folder / "group-timeouts"
+    group_timeouts.mkdir()
+    env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache)}
+    script, options = REPO / "recipes" / "cram.py", ["--compile", "true" if launch.compiled else "false"]
+    if launch.slowed_preparation:
+        env.update(CRAM_TEST_PREPARATION_SECONDS=str(PREPARATION_SECONDS),
+                   CRAM_TEST_GROUP_TIMEOUT_DIR=str(group_timeouts))
+        script = REPO / "tests" / "slow_preparation.py"
+        options += ["--collective-timeout-minutes", str(COLLECTIVE_TIMEOUT_MINUTES)]
+    command = [*accelerate_launch(REPO / "accel_configs" / f"{launch.config}.yaml"),
+               script, *DISTRIBUTED_RUN, "--micro-batch-size", "8", "--output-dir", folder / "run", *options]
+    started_at = time.monotonic()
+    completed = run(command, cwd=REPO, env=env)
+    assert completed.returncode == 0, f"{name}: {completed.stderr[-OUTPUT_TAIL:]}"
+    return LaunchedRun(folder / "run", time.monotonic() - started_at, inductor_cache, group_timeouts)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from launching import load_recipe
 
 import cram.train.loop as loop
 from cram.data.collator import MaskedLMCollator
@@ -27,7 +28,6 @@ from cram.train.preemption import Preemption
 from cram.train.ramp import BudgetRamp, Pace, micro_batches_that_fit, steps_in_budget
 from cram.train.sampling import stream_loader
 from cram.train.state import TrainState
-from tests.recipe_import import load_recipe
 
 MICRO_BATCH = 4
 REPO = Path(__file__).resolve().parents[1]

@@ -5,14 +5,13 @@ and every run says how many passes over its data the budget takes."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from glue_fixtures import write_glue_dir
+from launching import load_recipe, run
 from readymade_standin import write_readymade_standin
-from recipe_import import load_recipe
 from transformers import AutoTokenizer
 
 from cram.data.passes import describe_passes, passes_by_steps, report_passes_once_timed
@@ -71,7 +70,7 @@ def test_a_local_copy_of_the_readymade_set_trains_reports_its_passes_and_fine_tu
     output_dir = tmp_path / "run"
     command = [sys.executable, RECIPE, "--preset", "tiny", "--max-steps", "5", "--data", data,
                "--micro-batch-size", "4", "--target-batch-size", "8", "--output-dir", output_dir]
-    completed = subprocess.run(command, env=recipe_env, capture_output=True, text=True, timeout=600)
+    completed = run(command, env=recipe_env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     # 5 steps ramping from 4 to 8 sequences read 32 blocks or more, so at least one pass over the 32 blocks.
     assert "passes over the 32 blocks" in completed.stdout, completed.stdout[-2000:]
@@ -84,8 +83,7 @@ def test_a_local_copy_of_the_readymade_set_trains_reports_its_passes_and_fine_tu
     command = [sys.executable, GLUE_RECIPE, "--model", final, "--glue-dir", glue_dir, "--tasks", "cola,rte",
                "--seeds", "1", "--epochs", "1", "--batch-size", "8", "--precision", "fp32", "--max-length", "16",
                "--output-dir", tmp_path / "glue-out"]
-    completed = subprocess.run([str(part) for part in command], env=recipe_env, capture_output=True, text=True,
-                               timeout=600)
+    completed = run(command, env=recipe_env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     for task in ("cola", "rte"):
         result = json.loads((tmp_path / "glue-out" / "results" / f"{task}-seed0.json").read_text())

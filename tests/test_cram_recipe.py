@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -16,7 +14,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from launching import ACCELERATE
+from launching import ACCELERATE, load_recipe, run
 from safetensors.torch import load_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
@@ -34,8 +32,6 @@ from cram.train.ramp import full_accumulation, ramp_accumulation
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "cram.py"
 
-# A guard against a hung run, not a speed limit: a loaded machine may take many times a quiet one's minute.
-HANG_GUARD = 1800
 BUDGET_SECONDS = 15  # of the shared wall-clock run and of its resumed copy
 
 
@@ -49,7 +45,7 @@ def crammed_run(tmp_path_factory, recipe_env) -> Path:
         # machine so loaded that a step takes longer.
         "--checkpoint-every-minutes", "0.1", "--keep-checkpoints", "1000",
     ]
-    completed = subprocess.run(command, env=recipe_env, capture_output=True, text=True, timeout=HANG_GUARD)
+    completed = run(command, env=recipe_env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert f"checkpoint: {output_dir / 'final'}" in completed.stdout
     (output_dir.parent / "stdout.txt").write_text(completed.stdout)  # beside the run, which resumed copies take whole
@@ -144,10 +140,8 @@ def test_the_checkpoint_loads_and_serves_where_cram_is_not_installed(crammed_run
     text = "the function returns a <mask> of values"
     env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
     env["HF_MODULES_CACHE"] = str(tmp_path / "modules")  # where transformers copies the remote code it runs
-    completed = subprocess.run(
-        [sys.executable, "-c", WITHOUT_CRAM, tmp_path / "load.py", text, tmp_path / "classifier", tmp_path],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD,
-    )
+    completed = run([sys.executable, "-c", WITHOUT_CRAM, tmp_path / "load.py", text, tmp_path / "classifier", tmp_path],
+                    cwd=tmp_path, env=env)
     assert completed.returncode == 0, completed.stderr[-3000:]
 
     model = AutoModelForMaskedLM.from_pretrained(final).eval()
@@ -197,7 +191,7 @@ def test_a_run_resumed_under_a_wall_clock_budget_continues_its_clock_and_schedul
         "--preset", "tiny", "--budget", f"{BUDGET_SECONDS}s", "--output-dir", output_dir, "--log-every", "1",
         "--resume", middle,
     ]
-    completed = subprocess.run(command, env=recipe_env, capture_output=True, text=True, timeout=HANG_GUARD)
+    completed = run(command, env=recipe_env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     summary = json.loads((output_dir / "summary.json").read_text())
     assert summary["resumed_from"] == str(middle)
@@ -216,11 +210,7 @@ def test_a_run_resumed_under_a_wall_clock_budget_continues_its_clock_and_schedul
 @pytest.fixture(scope="module")
 def recipe_module() -> ModuleType:
     """recipes/cram.py imported into this process, so bad input is checked without starting Python each time."""
-    spec = importlib.util.spec_from_file_location("cram_recipe", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while being defined
-    spec.loader.exec_module(module)
-    return module
+    return load_recipe(RECIPE, "cram_recipe")
 
 
 @pytest.fixture(scope="module")
@@ -352,7 +342,7 @@ def test_the_launched_recipe_prints_only_the_sentence(tmp_path, recipe_env, argu
     # As a user runs it: one line on stderr, no traceback, exit status 2, before and after the launch is set up.
     output_dir = tmp_path / "run"
     command = [sys.executable, RECIPE, "--preset", "tiny", "--budget", "5s", "--output-dir", output_dir, *arguments]
-    completed = subprocess.run(command, env=recipe_env, capture_output=True, text=True, timeout=HANG_GUARD)
+    completed = run(command, env=recipe_env)
     assert completed.returncode == 2
     assert completed.stderr.startswith("error: ") and message in completed.stderr
     assert "Traceback" not in completed.stderr and len(completed.stderr.strip().splitlines()) == 1
@@ -365,15 +355,12 @@ def test_the_recipe_trains_on_a_set_made_by_prepare_data(tmp_path, recipe_env, e
     corpus.mkdir()
     (corpus / "docs.txt").write_text("\n\n".join(english_texts[:400]))
     prepared = tmp_path / "prepared"
-    subprocess.run(
-        [sys.executable, REPO / "recipes" / "prepare_data.py", corpus, "--output-dir", prepared, "--vocab-size", "2048",
-         "--progress", "false"],
-        env=recipe_env, check=True, capture_output=True, timeout=HANG_GUARD,
-    )
+    run([sys.executable, REPO / "recipes" / "prepare_data.py", corpus, "--output-dir", prepared, "--vocab-size", "2048",
+         "--progress", "false"], env=recipe_env, check=True)
     output_dir = tmp_path / "run"
     command = [sys.executable, RECIPE, "--preset", "tiny", "--budget", "5s", "--data", prepared,
                "--micro-batch-size", "8", "--target-batch-size", "16", "--output-dir", output_dir]
-    completed = subprocess.run(command, env=recipe_env, capture_output=True, text=True, timeout=HANG_GUARD)
+    completed = run(command, env=recipe_env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     options = json.loads((output_dir / "final" / "cram_options.json").read_text())
     assert Path(options["resolved"]["data"]) == prepared
@@ -381,8 +368,9 @@ def test_the_recipe_trains_on_a_set_made_by_prepare_data(tmp_path, recipe_env, e
     assert len(AutoTokenizer.from_pretrained(output_dir / "final")) == 2048
 
 
+@pytest.mark.launch
 def test_help_lists_every_option_once():
-    completed = subprocess.run([sys.executable, RECIPE, "--help"], capture_output=True, text=True, timeout=HANG_GUARD)
+    completed = run([sys.executable, RECIPE, "--help"])
     assert completed.returncode == 0
     assert completed.stdout.count("--micro-batch-size") == 1 and "--budget" in completed.stdout
 
@@ -394,8 +382,7 @@ def test_a_compiled_run_saves_a_plain_checkpoint(tmp_path, recipe_env):
                "--target-batch-size", "16", "--compile", "true", "--output-dir", output_dir]
     # Inductor writes the code it generates to its cache: the trace that the step ran through a compiled model.
     inductor_cache = tmp_path / "inductor"
-    completed = subprocess.run(command, env={**recipe_env, "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache)},
-                               capture_output=True, text=True, timeout=HANG_GUARD)
+    completed = run(command, env={**recipe_env, "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache)})
     assert completed.returncode == 0, completed.stderr[-3000:]
     summary = json.loads((output_dir / "summary.json").read_text())
     assert summary["optimizer_steps"] == 1
@@ -416,7 +403,7 @@ def test_two_processes_train_together_and_stop_together(tmp_path, recipe_env):
     output_dir = tmp_path / "run"
     command = [Path(sys.executable).with_name("torchrun"), "--standalone", "--nproc_per_node", "2", RECIPE,
                "--preset", "tiny", "--budget", "10s", "--micro-batch-size", "16", "--output-dir", output_dir]
-    completed = subprocess.run(command, env=recipe_env, capture_output=True, text=True, timeout=HANG_GUARD)
+    completed = run(command, env=recipe_env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     options = json.loads((output_dir / "final" / "cram_options.json").read_text())
     assert options["resolved"]["num_processes"] == 2 and options["resolved"]["full_accumulation"] == 8

@@ -1,11 +1,11 @@
 """The crammed-BERT model: exact size, sparse prediction, and life as a plain Hugging Face model."""
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from launching import run
 from transformers import AutoConfig, AutoModelForMaskedLM, AutoModelForSequenceClassification
 
 import cram  # noqa: F401 - registers the Auto classes
@@ -81,6 +81,7 @@ torch.save(model(torch.load(sys.argv[2])).logits, sys.argv[3])
 """
 
 
+@pytest.mark.launch
 def test_save_then_load_in_a_fresh_process_gives_identical_logits(tmp_path):
     torch.manual_seed(0)
     model = CrammedBertForMaskedLM(tiny_config()).eval()
@@ -91,10 +92,8 @@ def test_save_then_load_in_a_fresh_process_gives_identical_logits(tmp_path):
     # A fresh interpreter where cram cannot be imported: the checkpoint carries its modeling code (auto_map).
     env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
     env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
-    completed = subprocess.run(
-        [sys.executable, "-c", SAVED_LOGITS_SCRIPT, tmp_path / "model", tmp_path / "inputs.pt", tmp_path / "out.pt"],
-        cwd=tmp_path, env=env, capture_output=True, text=True,
-    )
+    files = [tmp_path / "model", tmp_path / "inputs.pt", tmp_path / "out.pt"]
+    completed = run([sys.executable, "-c", SAVED_LOGITS_SCRIPT, *files], cwd=tmp_path, env=env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     with torch.no_grad():
         expected = model(input_ids).logits

@@ -6,7 +6,6 @@ import dataclasses
 import json
 import os
 import signal
-import subprocess
 import sys
 import sysconfig
 import threading
@@ -14,12 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
+from launching import started, wait_until
 
 from cram.data import DataOptions, is_prepared, load_prepared, prepare
 from cram.data.prepare import OPTIONS_FILE, data_cache_key
 from cram.data.sources import resolve_sources
 from cram.errors import UserError
 
+THREAD_GUARD_SECONDS = 120  # a guard against a hang, not a speed limit: a build here takes a second or two
 # One changed value per option: each must change the key. "sources" names the corpus at a different weight.
 CHANGED_VALUES = {
     "sources": None,
@@ -118,6 +119,7 @@ def test_failure_midway_leaves_no_folder(tmp_path, english_texts):
     assert [entry.name for entry in tmp_path.iterdir()] == ["corpus"]
 
 
+@pytest.mark.launch
 def test_killed_run_leaves_nothing_usable_and_the_next_run_recovers(tmp_path, embedded_corpus):
     output = tmp_path / "out"
     script = (
@@ -125,15 +127,13 @@ def test_killed_run_leaves_nothing_usable_and_the_next_run_recovers(tmp_path, em
         f"prepare(DataOptions(sources=[{str(embedded_corpus)!r}], vocab_size=2000), output_dir={str(output)!r},"
         "num_proc=1, progress=False)"
     )
-    process = subprocess.Popen([sys.executable, "-c", script])
-    # Kill it once it is writing the documents into its temporary folder, the first of several stages: however
-    # fast or slow the machine, the kill then lands mid-preparation.
-    deadline = time.monotonic() + 1800  # a guard against a hang, not a speed limit
-    while not list(tmp_path.glob(".out.tmp-*/work/documents.arrow")) and process.poll() is None:
-        assert time.monotonic() < deadline, "preparation never started writing"
-        time.sleep(0.01)
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
+    with started([sys.executable, "-c", script]) as process:
+        # Kill it once it is writing the documents into its temporary folder, the first of several stages: however
+        # fast or slow the machine, the kill then lands mid-preparation.
+        wait_until(lambda: list(tmp_path.glob(".out.tmp-*/work/documents.arrow")), process, interval=0.01,
+                   what="preparation writing its documents")
+        os.kill(process.pid, signal.SIGKILL)
+        assert process.finished().returncode == -signal.SIGKILL
     assert list(tmp_path.glob(".out.tmp-*")), "the killed run left no temporary folder to check"
     assert not output.exists() and not is_prepared(output)
     for leftover in tmp_path.iterdir():
@@ -195,6 +195,7 @@ def test_processes_that_ask_for_the_embedded_corpus_at_once_build_it_once_and_se
     for asker in askers:
         asker.start()
     for asker in askers:
-        asker.join()
+        asker.join(timeout=THREAD_GUARD_SECONDS)
+        assert not asker.is_alive(), "an asker waited for a build that never finished"
     assert len(builds) == 1
     assert len(seen) == 2 and seen[0] == seen[1]

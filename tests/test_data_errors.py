@@ -12,21 +12,17 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from launching import run_recipe_in_process
+from launching import run, run_recipe_in_process
 
 from cram.data import DataOptions, prepare
 from cram.errors import UserError
-
-# Guards against a hung run, not speed limits: a loaded machine may take many times a quiet one's minute.
-HANG_GUARD = 1800
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "prepare_data.py"
 
 
 def run_recipe(*arguments: str, offline: bool = False) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"} if offline else None
-    return subprocess.run([sys.executable, str(RECIPE), *arguments, "--progress", "false"],
-                          capture_output=True, text=True, env=env, timeout=HANG_GUARD)
+    return run([sys.executable, str(RECIPE), *arguments, "--progress", "false"], env=env)
 
 
 def write_bad_utf8(folder: Path) -> Path:
@@ -79,6 +75,7 @@ def test_bad_input_gives_one_sentence_exit_2_and_no_output(tmp_path, monkeypatch
     check_refused(tmp_path, output, status, stderr, expected)
 
 
+@pytest.mark.launch
 def test_a_hub_name_offline_gives_one_sentence_from_a_real_process(tmp_path):
     arguments, expected = bad_inputs(tmp_path)["Hub name offline"]
     output = tmp_path / "out"
@@ -121,20 +118,22 @@ def test_unknown_ordering_and_unsupported_file_type(tmp_path):
         prepare(DataOptions(sources=[str(tmp_path / "notes.docx")]), cache_dir=tmp_path, progress=False)
 
 
-def test_an_output_folder_holding_other_files_is_refused_and_left_alone(tmp_path, english_texts):
+def test_an_output_folder_holding_other_files_is_refused_and_left_alone(tmp_path, monkeypatch, capsys, english_texts):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(english_texts[:50]))
     folder = tmp_path / "notes"
     folder.mkdir()
     (folder / "notes.md").write_text("my notes")
-    result = run_recipe(str(corpus), "--output-dir", str(folder), "--vocab-size", "500", "--force")
-    assert result.returncode == 2
-    assert "is not a prepared dataset" in result.stderr and "Traceback" not in result.stderr
+    status, stderr = run_in_process(monkeypatch, capsys, [str(corpus), "--output-dir", str(folder), "--vocab-size",
+                                                          "500", "--force"])
+    assert status == 2
+    assert "is not a prepared dataset" in stderr and "Traceback" not in stderr
     assert (folder / "notes.md").read_text() == "my notes" and len(list(folder.iterdir())) == 1
 
 
+@pytest.mark.launch
 def test_help_prints_and_exits_zero():
-    result = subprocess.run([sys.executable, str(RECIPE), "--help"], capture_output=True, text=True, timeout=HANG_GUARD)
+    result = run([sys.executable, str(RECIPE), "--help"])
     assert result.returncode == 0, result.stderr
     assert "keeps a random 30% of its documents" in " ".join(result.stdout.split())
 

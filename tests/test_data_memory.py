@@ -4,11 +4,11 @@ the length of its documents (a few book-length ones, about the peak of the same 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from launching import run
 
 PEAK_SCRIPT = """
 import resource, sys
@@ -17,13 +17,12 @@ options = DataOptions(sources=[sys.argv[1]], vocab_size=2000, trash_cutoff=0, to
 prepared = prepare(options, output_dir=sys.argv[2], num_proc=1, progress=False)
 print(prepared.stats["tokens"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
-# A guard against a hung run, not a speed limit: a loaded machine may take many times a quiet one's minute.
-HANG_GUARD = 1800
+# Each measures a preparation's peak in a process of its own.
+pytestmark = pytest.mark.launch
 
 
 def peak_rss_kb(corpus: Path, output: Path) -> tuple[int, int]:
-    result = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(corpus), str(output)],
-                            capture_output=True, text=True, check=True, timeout=HANG_GUARD)
+    result = run([sys.executable, "-c", PEAK_SCRIPT, str(corpus), str(output)], check=True)
     tokens, peak = result.stdout.split()[-2:]
     return int(tokens), int(peak)
 

@@ -16,7 +16,6 @@ import math
 import os
 import signal
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,14 +24,17 @@ import psutil
 import pytest
 import torch
 from accelerate.utils import DeepSpeedPlugin
-from conftest import (
+from launching import (
     COLLECTIVE_TIMEOUT_MINUTES,
     DISTRIBUTED_RUN,
-    HANG_GUARD,
     PREPARATION_SECONDS,
     TWO_PROCESS_LAUNCHES,
+    StartedProcess,
+    accelerate_launch,
+    run,
+    started,
+    wait_until,
 )
-from launching import accelerate_launch
 from safetensors.torch import load_file
 from transformers import AutoModelForMaskedLM
 
@@ -68,7 +70,7 @@ def launch(
     launcher_options, recipe_options = ((), options) if after_recipe else (options, ())
     command = [*accelerate_launch(config), *launcher_options, RECIPE, *RUN,
                "--micro-batch-size", "8", "--output-dir", output_dir, *recipe_options]
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_GUARD)
+    return run(command, cwd=REPO, env=env)
 
 
 def assert_same_steps(summary: dict, reference: dict, tolerance: Tolerance = EAGER) -> None:
@@ -167,7 +169,7 @@ def test_a_deepspeed_json_that_conflicts_with_the_recipes_batch_is_refused(tmp_p
     assert not (tmp_path / "run").exists()
 
 
-def rank_process(launcher: subprocess.Popen, rank: int) -> psutil.Process:
+def rank_process(launcher: StartedProcess, rank: int) -> psutil.Process:
     """The training process of `rank` among the launcher's descendants."""
     for child in psutil.Process(launcher.pid).children(recursive=True):
         with contextlib.suppress(psutil.Error):
@@ -213,14 +215,13 @@ def test_sigterm_to_one_zero3_rank_stops_all_and_the_run_resumes_to_the_one_proc
     config = REPO / "accel_configs" / "cpu-zero3-offload.yaml"
     command = [*accelerate_launch(config), RECIPE, *RUN, "--micro-batch-size", "8",
                "--output-dir", tmp_path, "--checkpoint-every", "1"]
-    launcher = subprocess.Popen(command, cwd=REPO, env=distributed_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
-    first = tmp_path / "checkpoints" / "step-00000001" / STATE_FILE
-    while not first.exists() and launcher.poll() is None:
-        time.sleep(0.005)
-    rank_process(launcher, 1).send_signal(signal.SIGTERM)
-    _, stderr = launcher.communicate()
-    assert launcher.returncode != 0
+    with started(command, cwd=REPO, env=distributed_env) as launcher:
+        first = tmp_path / "checkpoints" / "step-00000001" / STATE_FILE
+        wait_until(first.exists, launcher, what="the first checkpoint")
+        rank_process(launcher, 1).send_signal(signal.SIGTERM)
+        stopped = launcher.finished()
+    stderr = stopped.stderr
+    assert stopped.returncode != 0
     assert stderr.count("stopped by signal 15") == 1  # printed by rank 0 alone, which was not signalled itself
     assert not (tmp_path / "final").exists()
     stopped_at = int(complete_checkpoints(tmp_path / "checkpoints")[-1].name.split("-")[1])
@@ -241,7 +242,7 @@ def test_zero3_at_the_default_precision_trains_and_saves_a_plain_model(tmp_path,
     default_precision = [arg for arg in RUN if arg not in ("--precision", "fp32")]
     command = [*accelerate_launch(REPO / "accel_configs" / "cpu-zero3.yaml"), RECIPE,
                *default_precision, "--micro-batch-size", "8", "--output-dir", tmp_path]
-    completed = subprocess.run(command, cwd=REPO, env=recipe_env, capture_output=True, text=True, timeout=HANG_GUARD)
+    completed = run(command, cwd=REPO, env=recipe_env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     options = json.loads((tmp_path / "final" / "cram_options.json").read_text())["resolved"]
     assert options["mixed_precision"] == ("bf16" if cpu_has_bf16_units() else "no")

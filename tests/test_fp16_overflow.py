@@ -6,13 +6,13 @@ optimizer and training-loop path, with overflows forced by an infinite loss."""
 from __future__ import annotations
 
 import math
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from launching import run
 
 from cram.errors import UserError
 from cram.models.pythia import pythia_recipe
@@ -145,13 +145,13 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.launch
 def test_fsdp1_s_sharded_scaler_gets_the_same_rules():
     """FSDP1 launches (fsdp_version 1) scale through torch's ShardedGradScaler, which all-reduces the overflow
     check: the replacement keeps that kind, in a process group of its own (a subprocess, one rank)."""
     from cram.plan.sweep import free_port
 
-    completed = subprocess.run([sys.executable, "-c", SHARDED_RUN, str(Path(__file__).parent), str(free_port())],
-                               capture_output=True, text=True, timeout=600)
+    completed = run([sys.executable, "-c", SHARDED_RUN, str(Path(__file__).parent), str(free_port())])
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert completed.stdout.strip() == str(drive_scaler(pythia_scaler(), OVERFLOWS, range(1100)))
 

@@ -22,7 +22,7 @@ import torch
 from datasets import Dataset
 from glue_fixtures import write_glue_dir
 from huggingface_hub import ModelCard
-from launching import accelerate_launch, run_recipe_in_process
+from launching import accelerate_launch, run, run_recipe_in_process
 from safetensors.torch import load_file
 from transformers import (
     AutoModelForSequenceClassification,
@@ -57,7 +57,7 @@ def launch_glue(
     which saves the launcher's start-up where the launch itself is not what a test checks."""
     launch = accelerate_launch(REPO / "accel_configs" / config)
     command = [*(launch if launcher else [sys.executable]), RECIPE, *arguments]
-    completed = subprocess.run([str(part) for part in command], env=env, capture_output=True, text=True, timeout=900)
+    completed = run(command, env=env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     return completed
 
@@ -70,8 +70,7 @@ def crammed_checkpoint(tmp_path_factory, recipe_env, english_texts) -> Path:
     command = [sys.executable, REPO / "recipes" / "cram.py", "--preset", "tiny", "--max-steps", "3",
                "--micro-batch-size", "8", "--target-batch-size", "16", "--data", work / "corpus.txt",
                "--output-dir", work / "run", "--checkpoint-every-minutes", "0"]
-    completed = subprocess.run([str(part) for part in command], env=recipe_env, capture_output=True, text=True,
-                               timeout=600)
+    completed = run(command, env=recipe_env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     return work / "run" / "final"
 
@@ -252,7 +251,7 @@ def test_bad_input_gets_one_sentence_before_any_training(
 def test_without_network_or_glue_dir_one_sentence_names_glue_dir(crammed_checkpoint, recipe_env, tmp_path):
     env = {**recipe_env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     command = [sys.executable, RECIPE, "--model", crammed_checkpoint, "--tasks", "rte", "--output-dir", tmp_path / "o"]
-    completed = subprocess.run([str(part) for part in command], env=env, capture_output=True, text=True, timeout=600)
+    completed = run(command, env=env)
     assert completed.returncode == 2
     assert completed.stderr.startswith("error: ") and len(completed.stderr.strip().splitlines()) == 1
     assert "--glue-dir" in completed.stderr

@@ -4,15 +4,13 @@ torch, transformers and accelerate are installed, saying why each skipped step w
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from launching import run
 
 REPO = Path(__file__).resolve().parents[1]
-# Guards against a hung run, not speed limits: a loaded machine may take many times a quiet one's minute.
-HANG_GUARD = 1800
 SECTIONS = ("## Versions", "## Devices", "## Auto choices", "## Peak", "## Measured steps")
 STEPS = ("crammed BERT, eager", "crammed BERT, compiled", "HF BertForMaskedLM, eager", "pythia-14m, eager",
          "crammed BERT, DeepSpeed ZeRO-1")
@@ -25,8 +23,7 @@ def gpu_report(output_dir: Path, env: dict, *hidden: str) -> dict:
     """The report run in its own process (DeepSpeed starts a process group), with `hidden` modules missing."""
     program = (f"import sys\nfor module in {hidden!r}:\n    sys.modules[module] = None\n"
                "from cram.bench.gpu_report import main\nmain(sys.argv[1:])\n")
-    completed = subprocess.run([sys.executable, "-c", program, "--output-dir", str(output_dir)], cwd=REPO, env=env,
-                               capture_output=True, text=True, timeout=HANG_GUARD)
+    completed = run([sys.executable, "-c", program, "--output-dir", str(output_dir)], cwd=REPO, env=env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     markdown = (output_dir / "gpu_report.md").read_text()
     assert markdown in completed.stdout

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 import yaml
 from hub_standin import HubStandIn, closed_port
 from huggingface_hub import ModelCard, constants
+from launching import run
 
 from cram.data.tokenizer import train_wordpiece
 from cram.errors import UserError, run_cli
@@ -27,9 +27,6 @@ from cram.hub import (
 )
 from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
 from cram.train.checkpoint import save_checkpoint
-
-# Guards against a hung run, not speed limits: a loaded machine may take many times a quiet one's minute.
-HANG_GUARD = 1800
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "hf_standinSECRETtoken0123456789abcdef"
@@ -149,16 +146,15 @@ def test_the_token_goes_only_in_the_authorization_header_and_is_never_written_or
         assert not path.is_file() or TOKEN.encode() not in path.read_bytes(), path
 
 
+@pytest.mark.launch
 def test_an_unreachable_hub_exits_with_one_line_saying_how_to_push_later(checkpoint, tmp_path):
     before = folder_contents(checkpoint)
     environment = {
         **os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{closed_port()}", "HF_TOKEN": TOKEN,
         "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "0",
     }
-    completed = subprocess.run(
-        [sys.executable, "-m", "cram.hub", str(checkpoint), REPO_ID, "--revision", "v1"],
-        cwd=REPO, env=environment, capture_output=True, text=True, timeout=HANG_GUARD,
-    )
+    completed = run([sys.executable, "-m", "cram.hub", str(checkpoint), REPO_ID, "--revision", "v1"], cwd=REPO,
+                    env=environment)
 
     assert completed.returncode != 0
     assert completed.stdout == ""

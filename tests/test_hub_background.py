@@ -1,17 +1,21 @@
 """--push-checkpoints uploads in the background: training goes on while an upload is slow (a Hub stand-in whose
-commits wait on a gate the test opens), uploads go one at a time in order, and the final push waits for them."""
+commits wait on a gate the test opens), uploads go one at a time in order, and the final push waits for them.
+
+The stand-in answers requests side by side, so an upload started beside another shows in its count of requests in
+flight; every wait here has a deadline, the gate's included, so a pusher that waits where it should not fails its
+test instead of hanging it."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import threading
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from hub_standin import HubStandIn
+from launching import started, wait_until
 from tqdm import tqdm
 
 from cram.errors import UserError
@@ -20,33 +24,44 @@ from cram.hub import BackgroundPusher
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "cram.py"
 TOKEN = "hf_background_secret_0123456789"
-# Hang guards, not speed limits: returning from submit() takes milliseconds, a 3-step recipe run a minute or two.
-SUBMIT_GUARD_SECONDS = 120
+# Hang guards, not speed limits: a call that hands an upload over or gives them up takes milliseconds, an upload
+# to the local stand-in a second or two, a 3-step recipe run a minute or two.
+CALL_GUARD_SECONDS = 120
+GATE_GUARD_SECONDS = 600  # the test opens the gate long before, in a `finally`
 RUN_GUARD_SECONDS = 900
 
 
 class SlowHub(HubStandIn):
-    """A Hub whose commits wait until `gate` is set, counting how many are in flight at once."""
+    """A Hub whose commits wait until `gate` is set (at most GATE_GUARD_SECONDS, so no upload waits forever)."""
 
     def __init__(self, token: str | None = None) -> None:
         super().__init__(token)
         self.gate = threading.Event()
-        self.in_flight = self.most_in_flight = 0
-        self.counter_lock = threading.Lock()
 
-    def commit(self, body: bytes, repo: str, revision: str) -> tuple:
-        with self.counter_lock:
-            self.in_flight += 1
-            self.most_in_flight = max(self.most_in_flight, self.in_flight)
-        self.gate.wait()
-        try:
-            return super().commit(body, repo, revision)
-        finally:
-            with self.counter_lock:
-                self.in_flight -= 1
+    def before_answer(self, method: str, path: str) -> None:
+        if "/commit/" in path:
+            self.gate.wait(timeout=GATE_GUARD_SECONDS)
 
     def commits_started(self) -> int:
-        return sum(1 for request in self.requests if "/commit/" in request.path)
+        with self.lock:
+            return sum(1 for request in self.requests if "/commit/" in request.path)
+
+
+def returns_within(seconds: float, call: Callable[[], object], what: str) -> None:
+    """Call `call()` in a thread of its own; the test fails if it has not returned within `seconds`."""
+    failures = []
+
+    def calling() -> None:
+        try:
+            call()
+        except Exception as error:  # noqa: BLE001 - reported by the test below
+            failures.append(error)
+
+    thread = threading.Thread(target=calling, daemon=True)
+    thread.start()
+    thread.join(timeout=seconds)
+    assert not thread.is_alive(), f"{what} waited for an upload instead of returning"
+    assert failures == []
 
 
 def checkpoint_folder(path: Path, step: int) -> Path:
@@ -67,28 +82,21 @@ def test_submitting_returns_while_an_upload_waits_and_finish_waits_for_all_in_or
         monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", hub.endpoint)
         pusher = BackgroundPusher("lab/tiny")
         folders = [checkpoint_folder(tmp_path / f"step-{step}", step) for step in (1, 2, 3)]
-        failures = []
 
         def submit_all() -> None:
-            try:
-                for step, folder in enumerate(folders, start=1):
-                    pusher.submit(folder, revision=f"step-{step}")
-            except Exception as error:  # noqa: BLE001 - reported by the test below
-                failures.append(error)
+            for step, folder in enumerate(folders, start=1):
+                pusher.submit(folder, revision=f"step-{step}")
 
-        # Submitted from a thread of its own, joined with a hang guard: a submit() that waited for its upload
-        # would be held at the gate, and the test fails instead of waiting for a gate nobody opens.
-        submitting = threading.Thread(target=submit_all, daemon=True)
-        submitting.start()
-        submitting.join(timeout=SUBMIT_GUARD_SECONDS)
         try:
-            assert not submitting.is_alive(), "submit() waited for the upload instead of returning"
-            assert failures == []
-            # All three were handed over while the first upload is held at the gate: nothing has landed yet.
+            # A submit() that waited for its upload would be held at the gate: the test fails instead.
+            returns_within(CALL_GUARD_SECONDS, submit_all, "submit()")
+            # The first upload is held at the gate with the other two handed over: a pusher that uploaded more
+            # than one at a time would have the next one's requests in flight beside it by now.
+            wait_until(lambda: hub.commits_started() >= 1, seconds=CALL_GUARD_SECONDS, what="the first commit")
             assert all(not stored.commits.get(f"step-{step}") for stored in hub.repos.values() for step in (1, 2, 3))
         finally:
-            hub.gate.set()  # also frees a submit() held at the gate, so a failure above ends the test
-        pusher.finish()
+            hub.gate.set()  # also frees an upload held at the gate, so a failure above ends the test
+        returns_within(CALL_GUARD_SECONDS, pusher.finish, "finish()")
         stored = hub.repos["lab/tiny"]
         assert hub.most_in_flight == 1
         assert commit_order(hub) == ["step-1", "step-2", "step-3"]
@@ -135,11 +143,12 @@ def test_a_stopped_run_abandons_the_uploads_still_waiting_and_says_how_to_push_e
         folders = [checkpoint_folder(tmp_path / f"step-{step}", step) for step in (1, 2)]
         for step, folder in enumerate(folders, start=1):
             pusher.submit(folder, revision=f"step-{step}")
-        deadline = time.monotonic() + SUBMIT_GUARD_SECONDS
-        while hub.commits_started() == 0 and time.monotonic() < deadline:  # the first one is under way
-            time.sleep(0.01)
-        pusher.abandon()
-        hub.gate.set()
+        try:
+            wait_until(lambda: hub.commits_started() >= 1, seconds=CALL_GUARD_SECONDS, what="the first commit")
+            # The stop gives up what is left: it must not wait for the upload held at the gate.
+            returns_within(CALL_GUARD_SECONDS, pusher.abandon, "abandon()")
+        finally:
+            hub.gate.set()
     warnings = capsys.readouterr().err.splitlines()
     assert len(warnings) == 2
     for step, (warning, folder) in enumerate(zip(warnings, folders, strict=True), start=1):
@@ -157,22 +166,16 @@ def test_training_finishes_while_checkpoint_uploads_wait_and_the_final_push_foll
         command = [sys.executable, RECIPE, "--preset", "tiny", "--max-steps", "3", "--micro-batch-size", "8",
                    "--target-batch-size", "16", "--output-dir", tmp_path, "--push-to-hub", "lab/crammed-tiny",
                    "--checkpoint-every", "1", "--push-checkpoints"]
-        recipe = subprocess.Popen(command, env={**env, "HF_ENDPOINT": hub.endpoint}, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
-        try:
-            # The summary is written once the last step is done; the first checkpoint's upload is still held.
-            deadline = time.monotonic() + RUN_GUARD_SECONDS
-            while not (tmp_path / "summary.json").exists() and recipe.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert (tmp_path / "summary.json").exists(), "training waited for a checkpoint upload"
-            assert hub.commits_started() == 1 and recipe.poll() is None
-        finally:
-            hub.gate.set()  # a failure above must not leave the recipe waiting at the gate
-        try:
-            stdout, stderr = recipe.communicate(timeout=RUN_GUARD_SECONDS)
-        finally:
-            recipe.kill()  # only if the guard ran out; a finished process ignores it
-        assert recipe.returncode == 0, stderr[-3000:]
+        with started(command, env={**env, "HF_ENDPOINT": hub.endpoint}) as recipe:
+            try:
+                # The summary is written once the last step is done; the first checkpoint's upload is still held.
+                wait_until((tmp_path / "summary.json").exists, recipe, RUN_GUARD_SECONDS,
+                           what="training past a held checkpoint upload")
+                assert hub.commits_started() == 1 and recipe.poll() is None
+            finally:
+                hub.gate.set()  # a failure above must not leave the recipe waiting at the gate
+            completed = recipe.finished(RUN_GUARD_SECONDS)
+        assert completed.returncode == 0, completed.stderr[-3000:]
         stored = hub.repos["lab/crammed-tiny"]
     assert hub.most_in_flight == 1
     # One at a time in the order the steps saved them, and the final model last.

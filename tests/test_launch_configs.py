@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
 from deepspeed.runtime.config import DeepSpeedConfig
+from launching import run
 
 REPO = Path(__file__).resolve().parents[1]
 ACCEL_CONFIGS = sorted((REPO / "accel_configs").glob("*.yaml"))
@@ -61,8 +62,7 @@ def test_the_hardware_list_has_its_configs():
 
 def make(*arguments: str) -> subprocess.CompletedProcess:
     # VENV points at no virtual environment, so `setup` would fail loudly if a target reached it.
-    return subprocess.run(["make", "--no-print-directory", *arguments, "VENV=/nonexistent-venv"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    return run(["make", "--no-print-directory", *arguments, "VENV=/nonexistent-venv"], cwd=REPO, timeout=60)
 
 
 def test_pythia_4xa100_without_data_says_what_to_pass():

@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import bitsandbytes
 import pytest
 import torch
+from launching import run
 
 from cram.data.collator import MaskedLMCollator
 from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
 from cram.train.optim import build_adamw
-
-# Guards against a hung run, not speed limits: a loaded machine may take many times a quiet one's minute.
-HANG_GUARD = 1800
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -80,7 +77,7 @@ def test_the_recipe_trains_with_both_memory_options(tmp_path, recipe_env):
                "--micro-batch-size", "8", "--target-batch-size", "16", "--optimizer", "adamw-8bit",
                "--activation-checkpointing", "true", "--checkpoint-every-minutes", "0.00001",
                "--output-dir", tmp_path / "run"]
-    completed = subprocess.run(command, env=recipe_env, capture_output=True, text=True, timeout=HANG_GUARD)
+    completed = run(command, env=recipe_env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["optimizer_steps"] == 3 and summary["final_loss"] < summary["first_loss"]

@@ -4,12 +4,12 @@ and a 1-GPU-style run (one process, no launcher) trains without any of them."""
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from launching import run
 
 from cram.errors import UserError
 from cram.eval.causal_lm import run_lm_eval
@@ -17,8 +17,6 @@ from cram.eval.glue_report import task_metrics
 from cram.train.run import RunOptions, check_run_options
 
 REPO = Path(__file__).resolve().parents[1]
-# Guards against a hung run, not speed limits: a loaded machine may take many times a quiet one's minute.
-HANG_GUARD = 1800
 # Import names of every optional dependency; `None` in sys.modules makes `import X` fail as if X were missing.
 OPTIONAL_MODULES = ("deepspeed", "bitsandbytes", "wandb", "tensorboard", "lm_eval", "peft", "sklearn", "scipy")
 
@@ -68,6 +66,6 @@ def test_a_one_process_cram_run_trains_with_every_optional_dependency_missing(tm
     )
     command = [sys.executable, "-c", hidden_run, str(REPO / "recipes" / "cram.py"), "--preset", "tiny",
                "--max-steps", "2", "--micro-batch-size", "8", "--target-batch-size", "16", "--output-dir", tmp_path]
-    completed = subprocess.run(command, env=recipe_env, capture_output=True, text=True, timeout=HANG_GUARD)
+    completed = run(command, env=recipe_env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert (tmp_path / "final" / "model.safetensors").is_file()

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import HANG_GUARD
-from launching import accelerate_launch
+from launching import accelerate_launch, run
 
 REPO = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.10
+pytestmark = pytest.mark.launch  # every test reads the one 2-rank launch
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +22,7 @@ def rows(tmp_path_factory) -> list[dict]:
     output = tmp_path_factory.mktemp("engine-bytes") / "rows.json"
     command = [*accelerate_launch(REPO / "accel_configs" / "cpu-zero1.yaml"),
                REPO / "tests" / "plan_engine_bytes.py", output]
-    done = subprocess.run(command, cwd=REPO, env=os.environ, capture_output=True, text=True, timeout=HANG_GUARD)
+    done = run(command, cwd=REPO, env=os.environ)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(output.read_text())
 

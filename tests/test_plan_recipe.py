@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from launching import ACCELERATE, accelerate_launch
+from launching import ACCELERATE, accelerate_launch, run
 
 from cram.plan.days import ramp_steps, saves_in_budget, training_seconds_in_budget
 from cram.plan.sweep import free_port
@@ -28,7 +28,7 @@ SWEEP = ["--model", "crammed-bert-tiny", "--memory-limit", "2GiB", "--global-bat
 def launch_plan(output_dir: Path, env: dict, *extra: str) -> subprocess.CompletedProcess:
     command = [*accelerate_launch(REPO / "accel_configs" / "cpu-ddp.yaml"),
                REPO / "recipes" / "plan.py", *SWEEP, "--output-dir", output_dir, *extra]
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+    return run(command, cwd=REPO, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -96,11 +96,9 @@ def test_the_emitted_config_pair_launches_the_recipe(swept, tmp_path, recipe_env
     assert (output_dir / "ds_configs" / f"plan-{winner['candidate']}.json").exists()
     command = shlex.split(winner["command"])
     assert command[:2] == ["accelerate", "launch"] and "recipes/cram.py" in command
-    completed = subprocess.run(
-        [ACCELERATE, "launch", "--main_process_port", str(free_port()), *command[2:], "--max-steps", "2",
+    completed = run([ACCELERATE, "launch", "--main_process_port", str(free_port()), *command[2:], "--max-steps", "2",
          "--log-every", "1", "--output-dir", tmp_path / "run"],
-        cwd=REPO, env=recipe_env, capture_output=True, text=True, timeout=600,
-    )
+                    cwd=REPO, env=recipe_env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     resolved = json.loads((tmp_path / "run" / "final" / "cram_options.json").read_text())["resolved"]

@@ -3,12 +3,11 @@ budget, the memory model's orderings, the cost formula, the emitted configs, and
 
 from __future__ import annotations
 
-import importlib.util
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from launching import load_recipe, run
 
 from cram.errors import UserError
 from cram.plan.cost import GPUS, amortised_cost, hardware_price, parse_target, project
@@ -107,11 +106,7 @@ def test_pythia_table_gives_the_released_parameter_counts():
 @pytest.fixture(scope="module")
 def plan_recipe():
     """recipes/plan.py as a module, so bad input is checked in-process (one subprocess test checks the exit)."""
-    spec = importlib.util.spec_from_file_location("plan_recipe", REPO / "recipes" / "plan.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_recipe(REPO / "recipes" / "plan.py", "plan_recipe")
 
 
 @pytest.mark.parametrize("arguments, env, message", [
@@ -134,11 +129,10 @@ def test_bad_input_is_refused_before_anything_runs(plan_recipe, monkeypatch, tmp
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.launch
 def test_an_unknown_model_gets_one_sentence_and_exit_status_2(tmp_path):
-    completed = subprocess.run(
-        [sys.executable, REPO / "recipes" / "plan.py", "--model", "pythia-7b", "--output-dir", tmp_path / "out"],
-        capture_output=True, text=True, timeout=300,
-    )
+    command = [sys.executable, REPO / "recipes" / "plan.py", "--model", "pythia-7b", "--output-dir", tmp_path / "out"]
+    completed = run(command, timeout=300)
     assert completed.returncode == 2
     lines = completed.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: unknown model 'pythia-7b'"), completed.stderr[-2000:]

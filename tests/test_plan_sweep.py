@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -22,6 +21,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 import torch
+from launching import started, wait_until
 
 from cram.errors import UserError
 from cram.plan import sweep as sweep_module
@@ -70,11 +70,12 @@ def test_ctrl_c_or_sigterm_during_a_launch_ends_its_whole_process_tree(tmp_path,
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     pid_file = tmp_path / "worker.pid"
     # The signal arrives once the worker runs: to this process, as a terminal or a job scheduler sends it.
-    interrupter = threading.Thread(target=lambda: (wait_for(pid_file.exists), os.kill(os.getpid(), signal_number)))
+    interrupter = threading.Thread(target=lambda: (wait_for_pid(pid_file), os.kill(os.getpid(), signal_number)))
     interrupter.start()
     with pytest.raises(raised):
         run_launch([sys.executable, "-c", TREE, str(pid_file)], tmp_path / "tree.log", timeout=120)
-    interrupter.join()
+    interrupter.join(timeout=60)
+    assert not interrupter.is_alive()
     signal.signal(signal.SIGINT, previous)
     worker = int(pid_file.read_text())
     assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
@@ -100,11 +101,10 @@ def test_the_first_process_to_fail_is_the_cause_not_the_one_that_lost_its_peer(t
     assert [failure["rank"] for failure in rank_failures(result)] == [1, 0]
 
 
-def wait_for(condition, seconds: float = 60) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(0.5)  # the pid file is written: let its writer close it
+def wait_for_pid(pid_file: Path) -> None:
+    """Wait until the launcher has written its worker's pid (the file exists a moment before it holds the pid)."""
+    wait_until(lambda: pid_file.exists() and pid_file.read_text().strip().isdigit(), seconds=60, interval=0.01,
+               what="the worker's pid")
 
 
 @pytest.mark.parametrize("message, expected", [
@@ -307,31 +307,27 @@ def test_a_rank_failing_with_another_error_ends_its_candidate_with_that_error_in
 @pytest.mark.slow
 def test_sigterm_to_the_planner_mid_candidate_ends_the_candidates_processes(tmp_path, recipe_env):
     output_dir = tmp_path / "out"
-    planner = subprocess.Popen(
-        [sys.executable, REPO / "recipes" / "plan.py", "--model", "crammed-bert-tiny", "--memory-limit", "2GiB",
-         "--global-batch-size", "8", "--candidates", "ddp", "--output-dir", output_dir],
-        cwd=REPO, env=recipe_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
+    command = [sys.executable, REPO / "recipes" / "plan.py", "--model", "crammed-bert-tiny", "--memory-limit", "2GiB",
+               "--global-batch-size", "8", "--candidates", "ddp", "--output-dir", output_dir]
 
     def candidate_processes() -> list[psutil.Process]:
         return [process for process in psutil.process_iter(["cmdline"])
                 if "cram.plan.probe" in (command := " ".join(process.info["cmdline"] or []))
                 and str(output_dir) in command]
 
-    try:
-        wait_for(lambda: len(candidate_processes()) >= 2 or planner.poll() is not None, seconds=300)
-        assert len(candidate_processes()) >= 2, "the candidate's launcher and worker never ran"
-        planner.send_signal(signal.SIGTERM)
-        output, _ = planner.communicate(timeout=120)
-        assert planner.returncode != 0 and "interrupted" in output, output[-2000:]
-        wait_for(lambda: not candidate_processes(), seconds=30)
-        assert not candidate_processes()
-    finally:
-        for process in candidate_processes():
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()
-        if planner.poll() is None:
-            planner.kill()
+    with started(command, cwd=REPO, env=recipe_env) as planner:
+        try:
+            wait_until(lambda: len(candidate_processes()) >= 2, planner, seconds=300,
+                       what="the candidate's launcher and worker")
+            planner.send_signal(signal.SIGTERM)
+            stopped = planner.finished(timeout=120)
+            output = stopped.stdout + stopped.stderr
+            assert stopped.returncode != 0 and "interrupted" in output, output[-2000:]
+            wait_until(lambda: not candidate_processes(), seconds=30, what="the end of the candidate's processes")
+        finally:
+            for process in candidate_processes():
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.kill()
 
 
 def test_the_cache_key_holds_without_deepspeed_installed(monkeypatch):

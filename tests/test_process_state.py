@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import run_recipe_in_process
-from recipe_import import load_recipe
+from launching import load_recipe, run_recipe_in_process
 
 import cram  # noqa: F401  (importing the package is what quiets bitsandbytes)
 from cram.data.megatron import tokenized_documents, write_megatron

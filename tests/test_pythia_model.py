@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
+from launching import run
 from transformers import GPTNeoXForCausalLM
 
 from cram.errors import UserError
@@ -216,6 +216,7 @@ ZERO3_BUILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.launch
 @pytest.mark.slow
 def test_the_init_holds_under_zero3_zero_init(tmp_path):
     """Built under deepspeed.zero.Init (one gloo process), the gathered weights have the released init, drawn
@@ -226,9 +227,8 @@ def test_the_init_holds_under_zero3_zero_init(tmp_path):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     extensions = tmp_path / "torch-extensions"  # where DeepSpeed would build an op
-    completed = subprocess.run([sys.executable, "-c", ZERO3_BUILD, str(port), str(tmp_path / "weights.pt")],
-                               capture_output=True, text=True, timeout=900,
-                               env={**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions)})
+    completed = run([sys.executable, "-c", ZERO3_BUILD, str(port), str(tmp_path / "weights.pt")],
+                    env={**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions)})
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert not list(extensions.glob("**/*shm*")), sorted(extensions.rglob("*"))  # nothing built: no g++ minutes
     weights = torch.load(tmp_path / "weights.pt")

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import ModuleType
 
@@ -21,8 +20,7 @@ import pytest
 import safetensors.torch
 import torch
 from hub_standin import HubStandIn
-from launching import accelerate_launch
-from recipe_import import load_recipe
+from launching import accelerate_launch, load_recipe, run, started, wait_until
 from safetensors.torch import load as load_safetensors
 from transformers import AutoModelForCausalLM
 
@@ -86,7 +84,7 @@ def assert_same_losses(mine: list[dict], reference: list[dict]) -> None:
 def single_process(tmp_path_factory, recipe_env, megatron_data) -> Path:
     output_dir = tmp_path_factory.mktemp("single") / "run"
     command = [sys.executable, *recipe_arguments(megatron_data, output_dir, 2)]
-    completed = subprocess.run(command, env=recipe_env, capture_output=True, text=True, timeout=600)
+    completed = run(command, env=recipe_env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     return output_dir
 
@@ -100,8 +98,7 @@ def zero1_pushed(tmp_path_factory, recipe_env, megatron_data) -> tuple[Path, Hub
     with HubStandIn(token=TOKEN) as hub:
         command = launch_command("cpu-zero1", megatron_data, output_dir, "--push-to-hub", "lab/pythia-tiny",
                                  "--push-checkpoints")
-        completed = subprocess.run(command, cwd=REPO, env={**environment, "HF_ENDPOINT": hub.endpoint},
-                                   capture_output=True, text=True, timeout=600)
+        completed = run(command, cwd=REPO, env={**environment, "HF_ENDPOINT": hub.endpoint})
     assert completed.returncode == 0, completed.stderr[-3000:]
     return output_dir, hub
 
@@ -110,16 +107,11 @@ def zero1_pushed(tmp_path_factory, recipe_env, megatron_data) -> tuple[Path, Hub
 def zero3_stopped(tmp_path_factory, recipe_env, megatron_data) -> tuple[Path, subprocess.CompletedProcess]:
     """2 processes under ZeRO-3, stopped by SIGTERM (as a scheduler preempts) once the step-2 state is saved."""
     output_dir = tmp_path_factory.mktemp("zero3") / "run"
-    process = subprocess.Popen(launch_command("cpu-zero3", megatron_data, output_dir), cwd=REPO, env=recipe_env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    marker = output_dir / "checkpoints" / "step-00000002" / STATE_FILE
-    deadline = time.monotonic() + 500
-    while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if process.poll() is None:
+    with started(launch_command("cpu-zero3", megatron_data, output_dir), cwd=REPO, env=recipe_env) as process:
+        marker = output_dir / "checkpoints" / "step-00000002" / STATE_FILE
+        wait_until(marker.exists, process, what="the step-2 state")
         os.killpg(process.pid, signal.SIGTERM)
-    stdout, stderr = process.communicate(timeout=300)
-    return output_dir, subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+        return output_dir, process.finished()
 
 
 @pytest.mark.slow
@@ -212,8 +204,8 @@ def test_each_pushed_pythia_revision_holds_the_weights_of_its_step(zero1_pushed)
 def zero3_resumed(zero3_stopped, recipe_env, megatron_data) -> tuple[Path, subprocess.CompletedProcess]:
     """The stopped ZeRO-3 run, continued with --resume auto to its end."""
     output_dir, _ = zero3_stopped
-    completed = subprocess.run(launch_command("cpu-zero3", megatron_data, output_dir, "--resume", "auto"),
-                               cwd=REPO, env=recipe_env, capture_output=True, text=True, timeout=600)
+    completed = run(launch_command("cpu-zero3", megatron_data, output_dir, "--resume", "auto"), cwd=REPO,
+                    env=recipe_env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     return output_dir, completed
 
@@ -241,7 +233,7 @@ def wrong_run(tmp_path_factory, recipe_env, megatron_data) -> Path:
     (step 1 runs at the warm-up's lr of 0, so its model is still the shared init)."""
     output_dir = tmp_path_factory.mktemp("wrong") / "run"
     command = [sys.executable, *recipe_arguments(megatron_data, output_dir, 2, "--lr", "0.03")]
-    completed = subprocess.run(command, env=recipe_env, capture_output=True, text=True, timeout=600)
+    completed = run(command, env=recipe_env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     return output_dir
 
@@ -368,7 +360,7 @@ def test_the_replication_check_reads_pushed_hub_revisions_and_exits_1_naming_the
                    "--data", prefix, "--output", tmp_path / "hub"]
         environment = {**recipe_env, "HF_ENDPOINT": hub.endpoint, "HF_HUB_CACHE": str(tmp_path / "hub-cache")}
         environment.pop("HF_HUB_OFFLINE", None)
-        completed = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
+        completed = run(command, env=environment)
     assert completed.returncode == 1, completed.stderr[-3000:]
     assert "FAIL at step 2: our loss" in completed.stdout
     result = json.loads((tmp_path / "hub" / "replication.json").read_text())
@@ -381,10 +373,9 @@ def test_make_pythia_replicate_prints_a_verdict_on_a_run(tmp_path, recipe_env, m
     """The CPU stand-in of `make pythia-replicate` on a run's output: the ZeRO-3 run against the ZeRO-1 one."""
     prefix, _ = megatron_data
     venv = Path(sys.executable).parent.parent
-    completed = subprocess.run(
-        ["make", "--no-print-directory", "pythia-replicate", f"RUN={zero3_resumed[0]}",
+    completed = run(["make", "--no-print-directory", "pythia-replicate", f"RUN={zero3_resumed[0]}",
          f"REFERENCE={zero1_pushed[0]}", f"DATA={prefix}", f"VENV={venv}"],
-        cwd=REPO, env=recipe_env, capture_output=True, text=True, timeout=600)
+                    cwd=REPO, env=recipe_env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "PASS: at every step compared (0, 1, 2, 4, 5)" in completed.stdout
 

@@ -4,15 +4,12 @@ stand-in for its HTTP API); with no Hub reachable, the run still leaves its comp
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from hub_standin import HubStandIn, closed_port
-
-# Guards against a hung run, not speed limits: a loaded machine may take many times a quiet one's minute.
-HANG_GUARD = 1800
+from launching import run
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "cram.py"
@@ -32,8 +29,7 @@ def test_the_final_model_and_each_checkpoint_are_pushed_privately_with_a_card(tm
     with HubStandIn(token=TOKEN) as hub:
         command = [sys.executable, RECIPE, *RUN, "--output-dir", tmp_path, "--push-to-hub", "lab/crammed-tiny",
                    "--checkpoint-every", "1", "--push-checkpoints"]
-        completed = subprocess.run(command, env={**env, "HF_ENDPOINT": hub.endpoint}, capture_output=True,
-                                   text=True, timeout=HANG_GUARD)
+        completed = run(command, env={**env, "HF_ENDPOINT": hub.endpoint})
         assert completed.returncode == 0, completed.stderr[-3000:]
         assert hub.unknown_routes == []
         stored = hub.repos["lab/crammed-tiny"]
@@ -58,8 +54,7 @@ def test_with_no_hub_reachable_the_local_checkpoint_is_complete_and_the_error_is
     port = closed_port()
     command = [sys.executable, RECIPE, *RUN, "--output-dir", tmp_path, "--push-to-hub", "lab/crammed-tiny",
                "--checkpoint-every", "1", "--push-checkpoints"]
-    completed = subprocess.run(command, env={**env, "HF_ENDPOINT": f"http://127.0.0.1:{port}"},
-                               capture_output=True, text=True, timeout=HANG_GUARD)
+    completed = run(command, env={**env, "HF_ENDPOINT": f"http://127.0.0.1:{port}"})
     assert completed.returncode == 2
     last_line = completed.stderr.strip().splitlines()[-1]
     assert last_line.startswith("error: could not reach the Hugging Face Hub")
@@ -77,7 +72,7 @@ def test_with_no_hub_reachable_the_local_checkpoint_is_complete_and_the_error_is
 
 def test_a_bad_repository_name_is_refused_before_training(tmp_path, env):
     command = [sys.executable, RECIPE, *RUN, "--output-dir", tmp_path / "run", "--push-to-hub", "no-slash"]
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=HANG_GUARD)
+    completed = run(command, env=env)
     assert completed.returncode == 2 and completed.stderr.startswith("error: ")
     assert len(completed.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()

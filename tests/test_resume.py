@@ -8,16 +8,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from launching import run, started, wait_until
 
 from cram.train.checkpoint import STATE_FILE, complete_checkpoints
-
-# Guards against a hung run, not speed limits: a loaded machine may take many times a quiet one's minute.
-HANG_GUARD = 1800
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "cram.py"
@@ -33,7 +30,7 @@ def recipe(output_dir: Path, *extra) -> list:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, recipe_env) -> dict:
     output_dir = tmp_path_factory.mktemp("whole")
-    completed = subprocess.run(recipe(output_dir), env=recipe_env, capture_output=True, text=True, timeout=HANG_GUARD)
+    completed = run(recipe(output_dir), env=recipe_env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     return json.loads((output_dir / "summary.json").read_text())
 
@@ -48,19 +45,14 @@ def test_twenty_four_steps_lower_the_loss_by_a_clear_margin(uninterrupted):
 def start_and_stop(output_dir: Path, env: dict, once_saved: str, how: int, *extra) -> subprocess.CompletedProcess:
     """Start the run, wait until checkpoint `once_saved` is complete, then send `how` to its whole process group,
     as a scheduler's preemption or Ctrl-C in a terminal does (data loader workers included)."""
-    process = subprocess.Popen(recipe(output_dir, *extra), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
-    marker = output_dir / "checkpoints" / once_saved / STATE_FILE
-    while not marker.exists() and process.poll() is None:
-        time.sleep(0.02)
-    os.killpg(process.pid, how)
-    stdout, stderr = process.communicate(timeout=HANG_GUARD)
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    with started(recipe(output_dir, *extra), env=env) as process:
+        wait_until((output_dir / "checkpoints" / once_saved / STATE_FILE).exists, process, what=f"{once_saved}'s state")
+        os.killpg(process.pid, how)
+        return process.finished()
 
 
 def resume(output_dir: Path, recipe_env: dict) -> dict:
-    completed = subprocess.run(recipe(output_dir, "--resume", "auto"), env=recipe_env, capture_output=True, text=True,
-                               timeout=HANG_GUARD)
+    completed = run(recipe(output_dir, "--resume", "auto"), env=recipe_env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "resuming from" in completed.stdout
     return json.loads((output_dir / "summary.json").read_text())
@@ -126,8 +118,7 @@ def test_a_run_killed_outright_resumes_from_its_last_complete_checkpoint(tmp_pat
 def test_resuming_a_different_run_is_refused_before_any_step(recipe_env, stopped_by_sigterm, change, message):
     output_dir, _ = stopped_by_sigterm
     before = sorted(path.name for path in (output_dir / "checkpoints").iterdir())
-    completed = subprocess.run(recipe(output_dir, "--resume", "auto", *change), env=recipe_env, capture_output=True,
-                               text=True, timeout=HANG_GUARD)
+    completed = run(recipe(output_dir, "--resume", "auto", *change), env=recipe_env)
     assert completed.returncode == 2
     assert completed.stderr.startswith("error: cannot resume") and message in completed.stderr
     assert len(completed.stderr.strip().splitlines()) == 1
@@ -139,8 +130,7 @@ def test_starting_afresh_over_a_runs_checkpoints_is_refused(tmp_path, recipe_env
     checkpoint = tmp_path / "run" / "checkpoints" / "step-00000004"
     checkpoint.mkdir(parents=True)
     (checkpoint / STATE_FILE).write_text("{}")
-    completed = subprocess.run(recipe(tmp_path / "run"), env=recipe_env, capture_output=True, text=True,
-                               timeout=HANG_GUARD)
+    completed = run(recipe(tmp_path / "run"), env=recipe_env)
     assert completed.returncode == 2 and "--resume auto" in completed.stderr
     assert len(completed.stderr.strip().splitlines()) == 1
 
@@ -178,7 +168,7 @@ def test_resuming_under_another_launch_layout_is_refused(recipe_env, stopped_by_
     before = sorted(path.name for path in (output_dir / "checkpoints").iterdir())
     command = [Path(sys.executable).with_name("torchrun"), "--nproc_per_node", "2", *recipe(output_dir)[1:],
                "--resume", "auto"]
-    completed = subprocess.run(command, env=recipe_env, capture_output=True, text=True, timeout=HANG_GUARD)
+    completed = run(command, env=recipe_env)
     assert completed.returncode != 0
     errors = [line for line in completed.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: cannot resume")

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from launching import run
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from wandb_history import config, history
 
 from cram.train.trackers import flatten_config
-
-# Guards against a hung run, not speed limits: a loaded machine may take many times a quiet one's minute.
-HANG_GUARD = 1800
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "cram.py"
@@ -24,7 +21,7 @@ RUN = ["--preset", "tiny", "--max-steps", "6", "--micro-batch-size", "16", "--ta
 
 def run_recipe(output_dir: Path, env: dict, *extra: str) -> dict:
     command = [sys.executable, RECIPE, *RUN, "--output-dir", output_dir, *extra]
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=HANG_GUARD)
+    completed = run(command, env=env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     return json.loads((output_dir / "summary.json").read_text())
 
