@@ -29,15 +29,17 @@ from cram.data import DataOptions, PreparedData, is_prepared, load_prepared, pre
 from cram.data.collator import MaskedLMCollator
 from cram.data.passes import describe_passes, passes_by_steps, report_passes_once_timed
 from cram.data.readymade import READYMADE, ReadymadeData, is_readymade_folder, open_readymade, readymade_loader
+from cram.data.sampling import stream_loader
 from cram.errors import UserError, run_cli
 from cram.hub import ModelCardFacts
 from cram.models.crammed_bert import PRESETS, CrammedBertConfig, CrammedBertForMaskedLM
+from cram.train.accelerator import local_main_first
 from cram.train.budget import BudgetClock, StepClock, budget_triangle, parse_budget
+from cram.train.deepspeed_setup import check_optimizer_for_deepspeed, configure_deepspeed
 from cram.train.optim import build_adamw
+from cram.train.precision import enable_tf32
 from cram.train.ramp import RAMP_END, BudgetRamp, Pace, full_accumulation, ramp_accumulation
 from cram.train.run import RecipeRun, RunOptions, check_run_options
-from cram.train.runtime import check_optimizer_for_deepspeed, configure_deepspeed, enable_tf32, local_main_first
-from cram.train.sampling import stream_loader
 from cram.train.state import TrainState
 from cram.train.throughput import crammed_bert_flops_per_token
 

@@ -25,6 +25,7 @@ import torch
 from transformers import HfArgumentParser, PretrainedConfig
 
 from cram.cli import option, parse_strictly
+from cram.devices import cpu_has_bf16_units
 from cram.errors import UserError, run_cli
 from cram.plan.cost import hardware_price, parse_target, predicted_step_seconds, project
 from cram.plan.emit import launch_command, recipe_flags, write_pair
@@ -50,8 +51,8 @@ from cram.plan.sweep import (
     time_side_by_side,
 )
 from cram.plan.timing import matmul_flops
+from cram.train.accelerator import launch_device_type
 from cram.train.run import RunOptions, default_num_workers
-from cram.train.runtime import cpu_has_bf16_units, launch_device_type
 from cram.train.throughput import gpu_for_device_name, peak_flops_for_name
 
 # What `days` does not include yet: labelled in the table and the printed estimate.

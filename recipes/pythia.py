@@ -34,6 +34,7 @@ from transformers import HfArgumentParser
 
 from cram.cli import option, parse_strictly
 from cram.data.causal import causal_data_ready, causal_lm_batch, load_causal_data
+from cram.data.sampling import stream_loader
 from cram.errors import UserError, run_cli
 from cram.hub import ModelCardFacts
 from cram.models.pythia import (
@@ -47,22 +48,16 @@ from cram.models.pythia import (
     pythia_config,
     pythia_recipe,
 )
+from cram.train.accelerator import launch_device_type, local_main_first
 from cram.train.budget import StepClock
+from cram.train.deepspeed_setup import configure_deepspeed
+from cram.train.loss_scaling import fp16_loss_scaling
 from cram.train.memory import check_model_fits
 from cram.train.optim import build_adamw
+from cram.train.precision import PRECISIONS, enable_tf32, gpu_has_bf16_units
 from cram.train.ramp import full_accumulation
 from cram.train.revisions import parse_revision_steps
 from cram.train.run import RecipeRun, RunOptions, check_run_options
-from cram.train.runtime import (
-    PRECISIONS,
-    configure_deepspeed,
-    enable_tf32,
-    fp16_loss_scaling,
-    gpu_has_bf16_units,
-    launch_device_type,
-    local_main_first,
-)
-from cram.train.sampling import stream_loader
 from cram.train.state import TrainState
 from cram.train.throughput import gpt_neox_flops_per_token
 

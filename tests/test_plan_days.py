@@ -25,9 +25,9 @@ from cram.plan.space import Candidate
 from cram.plan.sweep import add_estimates
 from cram.plan.timing import MemoryGauge
 from cram.train import checkpoint as checkpoint_module
+from cram.train.accelerator import build_accelerator
 from cram.train.ramp import Pace, steps_in_budget
 from cram.train.run import ScheduledCheckpointer
-from cram.train.runtime import build_accelerator
 from cram.train.state import TrainState
 
 DAY = 86_400.0

@@ -7,13 +7,13 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from cram.data.collator import MaskedLMCollator
+from cram.data.sampling import stream_loader
 from cram.errors import UserError
 from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
 from cram.train.budget import BudgetClock, StepClock, budget_triangle, parse_budget
 from cram.train.loop import train
 from cram.train.optim import build_adamw
 from cram.train.ramp import full_accumulation, ramp_accumulation
-from cram.train.sampling import stream_loader
 from cram.train.state import TrainState
 
 

@@ -30,8 +30,8 @@ from cram.data.megatron import (
 )
 from cram.data.options import DataOptions
 from cram.data.prepare import is_prepared, load_prepared, prepare, prepared_path
+from cram.data.sampling import SerialBlocks
 from cram.errors import UserError
-from cram.train.sampling import SerialBlocks
 
 
 @dataclass

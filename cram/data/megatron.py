@@ -148,7 +148,7 @@ class MegatronTokens:
 
 
 class MegatronSequences(Dataset):
-    """Runs of `length` tokens addressed by serial, as `cram.train.sampling.stream_loader` reads them: item s is
+    """Runs of `length` tokens addressed by serial, as `cram.data.sampling.stream_loader` reads them: item s is
     run s mod N (N runs in the stream), so the sampler's serial i is training sequence i."""
 
     def __init__(self, tokens: MegatronTokens, length: int):

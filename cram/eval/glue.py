@@ -54,15 +54,10 @@ from cram.eval.glue_report import (
 )
 from cram.hub import add_eval_results_to_card
 from cram.optional import require_installed
-from cram.train.runtime import (
-    PRECISIONS,
-    check_installed_versions,
-    enable_tf32,
-    launch_device_type,
-    resolve_compile,
-    resolve_precision,
-    use_cpu_cores,
-)
+from cram.train.accelerator import launch_device_type, use_cpu_cores
+from cram.train.compilation import resolve_compile
+from cram.train.precision import PRECISIONS, enable_tf32, resolve_precision
+from cram.versions import check_installed_versions
 
 # Small dev sets give noisy scores; these get --seeds fine-tunings, the large tasks --large-task-seeds.
 SMALL_TASKS = ("cola", "mrpc", "stsb", "rte")

@@ -22,6 +22,7 @@ from cram.cli import option
 from cram.errors import UserError
 from cram.hub import BackgroundPusher, ModelCardFacts, check_repo_id, push_checkpoint, write_model_card
 from cram.optional import require_installed
+from cram.train.accelerator import COLLECTIVE_TIMEOUT_MINUTES, build_accelerator, parameter_counts, shut_down
 from cram.train.budget import WallClock
 from cram.train.checkpoint import (
     Checkpointer,
@@ -32,20 +33,13 @@ from cram.train.checkpoint import (
     load_checkpoint,
     read_checkpoint,
 )
+from cram.train.compilation import compile_reason, is_compiled
 from cram.train.curves import write_training_curves
 from cram.train.loop import train
 from cram.train.optim import optimizer_state_bytes
 from cram.train.preemption import Preemption
 from cram.train.ramp import Pace
 from cram.train.revisions import REVISIONS_FOLDER, RevisionSaver, linked_copy, revisions_disk_line
-from cram.train.runtime import (
-    COLLECTIVE_TIMEOUT_MINUTES,
-    build_accelerator,
-    compile_reason,
-    is_compiled,
-    parameter_counts,
-    shut_down,
-)
 from cram.train.state import TrainState
 from cram.train.trackers import TRACKERS, flatten_config
 
