@@ -15,6 +15,7 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 # This script is named like the package it uses: keep its own folder from shadowing `cram` on the import path.
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
@@ -22,9 +23,8 @@ sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Pa
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-from transformers import HfArgumentParser
 
-from cram.cli import option, parse_strictly
+from cram.cli import OptionParser, option, parse_strictly, summary
 from cram.data import DataOptions, PreparedData, is_prepared, load_prepared, prepare, prepared_path
 from cram.data.collator import MaskedLMCollator
 from cram.data.passes import describe_passes, passes_by_steps, report_passes_once_timed
@@ -33,6 +33,7 @@ from cram.data.sampling import stream_loader
 from cram.errors import UserError, run_cli
 from cram.hub import ModelCardFacts
 from cram.models.crammed_bert import PRESETS, CrammedBertConfig, CrammedBertForMaskedLM
+from cram.plan.space import Optimizer
 from cram.train.accelerator import local_main_first
 from cram.train.budget import BudgetClock, StepClock, budget_triangle, parse_budget
 from cram.train.deepspeed_setup import check_optimizer_for_deepspeed, configure_deepspeed
@@ -58,13 +59,14 @@ BUDGET_FOLLOWING_PRESETS = ("small", "tiny")
 # ran at 1.31x its speed at 64, tiny at 16 at 1.22x its speed at 32 (under another job's load: 0.78x and 0.89x).
 # A one-minute budget had held 13-18 steps of small's 64 (README: make bench-quality).
 CPU_BUDGET_MICRO_BATCH = 16
+Preset = Literal[tuple(PRESETS)]
 
 
 @dataclass
 class TrainingOptions:
     """Options that change the result."""
 
-    preset: str = option("crammed-bert", f"model size: {', '.join(PRESETS)}")
+    preset: Preset = option("crammed-bert", "model size")
     budget: str = option("24h", "wall-clock budget, e.g. 24h, 90m, 30s (compilation counts, data preparation not)")
     max_steps: int | None = option(
         None, "a budget of N optimizer steps instead of the wall clock: the schedule's p is step / N")
@@ -87,7 +89,7 @@ class TrainingOptions:
     beta2: float = option(0.98, "AdamW beta2")
     eps: float = option(1e-12, "AdamW epsilon")
     weight_decay: float = option(0.01, "AdamW weight decay (not on biases and norms)")
-    optimizer: str = option("adamw", "adamw, or adamw-8bit (bitsandbytes: 8-bit optimizer state, a quarter the memory)")
+    optimizer: Optimizer = option("adamw", "adamw-8bit: bitsandbytes' 8-bit optimizer state, a quarter the memory")
     max_grad_norm: float = option(0.5, "gradient clipping by global norm (0 turns it off)")
     seed: int = option(0, "random seed")
 
@@ -101,10 +103,8 @@ class ImplementationOptions(RunOptions):
 
 
 def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
-    parser = HfArgumentParser((TrainingOptions, ImplementationOptions), description=__doc__.split("\n")[0])
+    parser = OptionParser((TrainingOptions, ImplementationOptions), description=summary(__doc__))
     training, implementation = parse_strictly(parser)
-    if training.preset not in PRESETS:
-        raise UserError(f"unknown preset {training.preset!r}: choose one of {', '.join(PRESETS)}.")
     if training.data is None:
         training.data = DATA_DEFAULTS[training.preset]
     if training.data not in ("embedded", READYMADE) and not Path(training.data).exists():
@@ -116,8 +116,6 @@ def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
         raise UserError(f"--max-steps {training.max_steps} is not a positive number of steps: give one, e.g. 1000.")
     if training.min_steps <= 0:
         raise UserError(f"--min-steps {training.min_steps} is not a positive number of steps: give one, e.g. 300.")
-    if training.optimizer not in ("adamw", "adamw-8bit"):
-        raise UserError(f"unknown optimizer {training.optimizer!r}: choose adamw or adamw-8bit.")
     check_run_options(implementation)
     if training.target_batch_size is None and not follows_budget(training):
         training.target_batch_size = BATCH_DEFAULTS[training.preset][0]

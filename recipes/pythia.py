@@ -25,14 +25,14 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 # This script's folder must not shadow the `cram` package on the import path (recipes/cram.py lives there).
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 
 from accelerate.utils import set_seed
-from transformers import HfArgumentParser
 
-from cram.cli import option, parse_strictly
+from cram.cli import OptionParser, option, parse_strictly, summary
 from cram.data.causal import causal_data_ready, causal_lm_batch, load_causal_data
 from cram.data.sampling import stream_loader
 from cram.errors import UserError, run_cli
@@ -54,19 +54,22 @@ from cram.train.deepspeed_setup import configure_deepspeed
 from cram.train.loss_scaling import fp16_loss_scaling
 from cram.train.memory import check_model_fits
 from cram.train.optim import build_adamw
-from cram.train.precision import PRECISIONS, enable_tf32, gpu_has_bf16_units
+from cram.train.precision import Precision, enable_tf32, gpu_has_bf16_units
 from cram.train.ramp import full_accumulation
 from cram.train.revisions import parse_revision_steps
 from cram.train.run import RecipeRun, RunOptions, check_run_options
 from cram.train.state import TrainState
 from cram.train.throughput import gpt_neox_flops_per_token
 
+PythiaSizeName = Literal[tuple(PYTHIA_SIZES)]
+PythiaPrecision = Literal["released", Precision]
+
 
 @dataclass
 class TrainingOptions:
     """Options that change the result; unset ones take the published recipe's value."""
 
-    size: str = option("pythia-1b", f"model size: {', '.join(PYTHIA_SIZES)}")
+    size: PythiaSizeName = option("pythia-1b", "model size")
     data: str | None = option(
         None, "a Megatron .bin/.idx prefix (e.g. the pre-shuffled Pile), a set made by prepare_data.py, "
               "pre-tokenized input_ids, or raw text files")
@@ -97,10 +100,9 @@ class ImplementationOptions(RunOptions):
 
     output_dir: str = option(
         "runs/pythia", "where the run writes: the model lands in OUTPUT_DIR/final, training states in checkpoints/")
-    precision: str = option(
-        "released", "released (fp16 with loss scaling from 2^12; bf16 for pythia-1b, where pythia-1b-deduped "
-                    "trained in fp16; the nearest the device can do otherwise, said in the log), auto, bf16, fp16 "
-                    "or fp32")
+    precision: PythiaPrecision = option(
+        "released", "released: fp16 with loss scaling from 2^12 (bf16 for pythia-1b, where pythia-1b-deduped trained "
+                    "in fp16), or the nearest the device can do, said in the log")
     push_checkpoints: bool = option(
         False, "also push each revision (--revision-steps) to the Hub, as the revision stepN")
     revision_steps: str = option(
@@ -112,7 +114,7 @@ class ImplementationOptions(RunOptions):
 
 
 def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
-    parser = HfArgumentParser((TrainingOptions, ImplementationOptions), description=__doc__.split("\n")[0])
+    parser = OptionParser((TrainingOptions, ImplementationOptions), description=summary(__doc__))
     training, implementation = parse_strictly(parser)
     check_size(training.size)
     if training.data is None:
@@ -129,9 +131,6 @@ def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
         raise UserError(f"--stop-at-step {training.stop_at_step} is past the schedule's last step {schedule}: give a "
                         f"step up to {schedule}{' or a longer --max-steps' if training.max_steps else ''}.")
     check_run_options(implementation)
-    if implementation.precision not in ("released", *PRECISIONS):
-        raise UserError(f"unknown precision {implementation.precision!r}: choose released or one of "
-                        f"{', '.join(PRECISIONS)}.")
     return training, implementation
 
 

@@ -55,8 +55,8 @@ from cram.eval.glue_report import (
 from cram.hub import add_eval_results_to_card
 from cram.optional import require_installed
 from cram.train.accelerator import launch_device_type, use_cpu_cores
-from cram.train.compilation import resolve_compile
-from cram.train.precision import PRECISIONS, enable_tf32, resolve_precision
+from cram.train.compilation import CompileChoice, resolve_compile
+from cram.train.precision import Precision, enable_tf32, resolve_precision
 from cram.versions import check_installed_versions
 
 # Small dev sets give noisy scores; these get --seeds fine-tunings, the large tasks --large-task-seeds.
@@ -100,8 +100,8 @@ class GlueRunOptions:
     """Options that change only speed and bookkeeping."""
 
     output_dir: str = option("runs/glue", "where results, the report and the per-task cache go")
-    precision: str = option("auto", f"{', '.join(PRECISIONS)}: auto is bf16 where supported (as the cram recipe)")
-    compile: str = option("auto", "torch.compile: auto (on for GPUs that support it), true or false")
+    precision: Precision = option("auto", "auto: bf16 where supported (as the cram recipe)")
+    compile: CompileChoice = option("auto", "torch.compile; auto: on for GPUs that support it")
     eval_batch_size: int = option(128, "examples per evaluation batch")
     write_eval_results: bool = option(True, "also write eval_results.json beside a local checkpoint (for the Hub)")
     fresh: bool = option(

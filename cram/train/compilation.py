@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DynamoBackend
 
 from cram.errors import UserError
 
-COMPILE_CHOICES = ("auto", "true", "false")
+CompileChoice = Literal["auto", "true", "false"]
+COMPILE_CHOICES: tuple[str, ...] = get_args(CompileChoice)
 
 
 def resolve_compile(choice: str, device_type: str) -> bool:

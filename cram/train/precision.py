@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+from typing import Literal, get_args
 
 import torch
 
 from cram.devices import cpu_has_bf16_units
 from cram.errors import UserError
 
-PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+Precision = Literal["auto", "bf16", "fp16", "fp32"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 
 def resolve_precision(choice: str, device_type: str) -> str:

@@ -33,15 +33,16 @@ from cram.train.checkpoint import (
     load_checkpoint,
     read_checkpoint,
 )
-from cram.train.compilation import compile_reason, is_compiled
+from cram.train.compilation import CompileChoice, compile_reason, is_compiled
 from cram.train.curves import write_training_curves
 from cram.train.loop import train
 from cram.train.optim import optimizer_state_bytes
+from cram.train.precision import Precision
 from cram.train.preemption import Preemption
 from cram.train.ramp import Pace
 from cram.train.revisions import REVISIONS_FOLDER, RevisionSaver, linked_copy, revisions_disk_line
 from cram.train.state import TrainState
-from cram.train.trackers import TRACKERS, flatten_config
+from cram.train.trackers import TRACKERS, Tracker, flatten_config
 
 CURVES_FILE = "training_curves.png"
 
@@ -52,15 +53,15 @@ class RunOptions:
 
     output_dir: str = option(
         "runs/train", "where the run writes: the model lands in OUTPUT_DIR/final, training states in checkpoints/")
-    precision: str = option(
-        "auto", "auto (bf16 on GPUs and CPUs that support it, else fp16 on GPUs, fp32 on CPUs), bf16, fp16 or fp32"
+    precision: Precision = option(
+        "auto", "auto: bf16 on GPUs and CPUs that support it, else fp16 on GPUs, fp32 on CPUs"
     )
-    compile: str = option("auto", "torch.compile: auto (on for GPUs that support it), true or false")
+    compile: CompileChoice = option("auto", "torch.compile; auto: on for GPUs that support it")
     activation_checkpointing: bool = option(False, "recompute each layer in the backward pass: less memory, slower")
     num_workers: int | None = option(None, "data loader workers; unset means 2 on GPU, 0 on CPU")
     log_every: int = option(10, "log every N optimizer steps")
-    report_to: str = option(
-        "none", f"experiment tracker: {', '.join(TRACKERS)} (WANDB_MODE=offline works without network)")
+    report_to: Tracker = option(
+        "none", "experiment tracker (WANDB_MODE=offline works without network)")
     checkpoint_every: int = option(0, "save a resumable training state every N optimizer steps (0: off)")
     checkpoint_every_minutes: float = option(30.0, "save a resumable training state every N minutes (0: off)")
     keep_checkpoints: int = option(2, "how many training states to keep (the newest)")
