@@ -32,34 +32,27 @@ from cram.data.readymade import READYMADE, ReadymadeData, is_readymade_folder, o
 from cram.data.sampling import stream_loader
 from cram.errors import UserError, run_cli
 from cram.hub import ModelCardFacts
-from cram.models.crammed_bert import PRESETS, CrammedBertConfig, CrammedBertForMaskedLM
+from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
+from cram.models.crammed_bert_recipe import CRAMMED_BERT_RECIPES, crammed_bert_recipe
 from cram.plan.space import Optimizer
 from cram.train.accelerator import local_main_first
 from cram.train.budget import BudgetClock, StepClock, budget_triangle, parse_budget
 from cram.train.deepspeed_setup import check_optimizer_for_deepspeed, configure_deepspeed
 from cram.train.optim import build_adamw
 from cram.train.precision import enable_tf32
-from cram.train.ramp import RAMP_END, BudgetRamp, Pace, full_accumulation, ramp_accumulation
+from cram.train.ramp import BudgetRamp, Pace, full_accumulation, ramp_accumulation
 from cram.train.run import RecipeRun, RunOptions, check_run_options
 from cram.train.state import TrainState
 from cram.train.throughput import crammed_bert_flops_per_token
 
-# The paper's model trains on the paper's data (cramming/config/data/pile-readymade.yaml); the small presets on the
-# offline corpus.
-DATA_DEFAULTS = {"crammed-bert": READYMADE, "small": "embedded", "tiny": "embedded"}
-# Batch sizes by preset: (target sequences per optimizer step, micro-batch per process). The paper's model keeps
-# the paper's target (cramming/config/train/bert-o4.yaml: batch_size 8192, reached at batch_size_ramp 0.60); for
-# the others it is the largest target: under a wall-clock budget their ramp aims at the largest batch that still
-# leaves --min-steps optimizer steps at the measured speed (`cram.train.ramp.BudgetRamp`).
-BATCH_DEFAULTS = {"crammed-bert": (8192, 128), "small": (1024, 64), "tiny": (256, 32)}
-BUDGET_FOLLOWING_PRESETS = ("small", "tiny")
-# On the CPU those two take micro-batches of 16 under a wall-clock budget: a step there costs about its sequences,
-# so a smaller micro-batch gives the ramp more, smaller steps to choose from at little or no cost in speed.
-# `python -m cram.bench.micro_batch` on the quiet 2-core CPU, one update per micro-batch, per sequence: small at 16
-# ran at 1.31x its speed at 64, tiny at 16 at 1.22x its speed at 32 (under another job's load: 0.78x and 0.89x).
-# A one-minute budget had held 13-18 steps of small's 64 (README: make bench-quality).
-CPU_BUDGET_MICRO_BATCH = 16
-Preset = Literal[tuple(PRESETS)]
+Preset = Literal[tuple(CRAMMED_BERT_RECIPES)]
+PAPER = crammed_bert_recipe("crammed-bert")  # every preset trains with the paper's optimizer and schedule
+
+
+def per_preset(field: str) -> str:
+    """`crammed-bert 8192, small 1024, tiny 256`: one recipe value of the presets that have it, for a help line."""
+    return ", ".join(f"{name} {getattr(recipe, field)}" for name, recipe in CRAMMED_BERT_RECIPES.items()
+                     if getattr(recipe, field) is not None)
 
 
 @dataclass
@@ -67,30 +60,32 @@ class TrainingOptions:
     """Options that change the result."""
 
     preset: Preset = option("crammed-bert", "model size")
-    budget: str = option("24h", "wall-clock budget, e.g. 24h, 90m, 30s (compilation counts, data preparation not)")
+    budget: str = option(
+        f"{PAPER.budget_hours:g}h", "wall-clock budget, e.g. 24h, 90m, 30s (compilation counts, data preparation not)")
     max_steps: int | None = option(
         None, "a budget of N optimizer steps instead of the wall clock: the schedule's p is step / N")
     data: str | None = option(
         None, "a text file, a folder of them, a set made by prepare_data.py, 'embedded', 'pile-readymade' (the "
-        "paper's data, streamed from the Hub) or a local copy of it; unset means the preset's: pile-readymade for "
-        "crammed-bert, embedded for tiny and small")
+        f"paper's data, streamed from the Hub) or a local copy of it; unset means the preset's ({per_preset('data')})")
     target_batch_size: int | None = option(
-        None, "sequences per optimizer step once ramped up; unset means 8192 for crammed-bert, and for small and tiny "
-              "the largest batch (up to 1024 and 256) that leaves --min-steps steps in the budget")
+        None, "sequences per optimizer step once ramped up; unset means the preset's "
+              f"({per_preset('target_batch_size')}), or for small and tiny under a wall-clock budget the largest "
+              "batch up to it that leaves --min-steps steps")
     micro_batch_size: int | None = option(
-        None, "sequences per forward pass per process; unset means the preset's (128 for crammed-bert, 64 for small, "
-              "32 for tiny), or 16 for small and tiny on the CPU when their ramp follows the budget")
-    ramp_end: float = option(RAMP_END, "budget fraction at which the batch reaches its target size")
+        None, "sequences per forward pass per process; unset means the preset's "
+              f"({per_preset('micro_batch_size')}), or {per_preset('cpu_micro_batch_size')} on the CPU where the "
+              "ramp follows the budget")
+    ramp_end: float = option(PAPER.ramp_end, "budget fraction at which the batch reaches its target size")
     min_steps: int = option(
-        300, "small and tiny presets under a wall-clock budget: the ramp's target is the largest batch that still "
-             "leaves this many optimizer steps at the measured speed")
-    lr: float = option(1e-3, "peak learning rate")
-    beta1: float = option(0.9, "AdamW beta1")
-    beta2: float = option(0.98, "AdamW beta2")
-    eps: float = option(1e-12, "AdamW epsilon")
-    weight_decay: float = option(0.01, "AdamW weight decay (not on biases and norms)")
+        crammed_bert_recipe("small").min_steps, "small and tiny presets under a wall-clock budget: the ramp's target "
+        "is the largest batch that still leaves this many optimizer steps at the measured speed")
+    lr: float = option(PAPER.lr, "peak learning rate")
+    beta1: float = option(PAPER.betas[0], "AdamW beta1")
+    beta2: float = option(PAPER.betas[1], "AdamW beta2")
+    eps: float = option(PAPER.eps, "AdamW epsilon")
+    weight_decay: float = option(PAPER.weight_decay, "AdamW weight decay (not on biases and norms)")
     optimizer: Optimizer = option("adamw", "adamw-8bit: bitsandbytes' 8-bit optimizer state, a quarter the memory")
-    max_grad_norm: float = option(0.5, "gradient clipping by global norm (0 turns it off)")
+    max_grad_norm: float = option(PAPER.max_grad_norm, "gradient clipping by global norm (0 turns it off)")
     seed: int = option(0, "random seed")
 
 
@@ -106,7 +101,7 @@ def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
     parser = OptionParser((TrainingOptions, ImplementationOptions), description=summary(__doc__))
     training, implementation = parse_strictly(parser)
     if training.data is None:
-        training.data = DATA_DEFAULTS[training.preset]
+        training.data = crammed_bert_recipe(training.preset).data
     if training.data not in ("embedded", READYMADE) and not Path(training.data).exists():
         raise UserError(
             f"the data path {training.data} does not exist: give an existing file or folder, 'embedded' or "
@@ -118,22 +113,22 @@ def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
         raise UserError(f"--min-steps {training.min_steps} is not a positive number of steps: give one, e.g. 300.")
     check_run_options(implementation)
     if training.target_batch_size is None and not follows_budget(training):
-        training.target_batch_size = BATCH_DEFAULTS[training.preset][0]
+        training.target_batch_size = crammed_bert_recipe(training.preset).target_batch_size
     return training, implementation
 
 
 def default_micro_batch(training: TrainingOptions, device_type: str) -> int:
-    """The preset's micro-batch, or CPU_BUDGET_MICRO_BATCH where the ramp follows a budget on the CPU."""
-    micro = BATCH_DEFAULTS[training.preset][1]
+    """The preset's micro-batch, or its CPU one where the ramp follows a budget on the CPU."""
+    recipe = crammed_bert_recipe(training.preset)
     if device_type == "cpu" and follows_budget(training):
-        return min(micro, CPU_BUDGET_MICRO_BATCH)
-    return micro
+        return min(recipe.micro_batch_size, recipe.cpu_micro_batch_size)
+    return recipe.micro_batch_size
 
 
 def follows_budget(training: TrainingOptions) -> bool:
     """Whether the ramp's target is chosen from the budget: small and tiny presets under a wall-clock budget, when
     no --target-batch-size is given (a step budget fixes the number of steps, so the preset's target stands)."""
-    return training.preset in BUDGET_FOLLOWING_PRESETS and training.max_steps is None and \
+    return crammed_bert_recipe(training.preset).follows_budget and training.max_steps is None and \
         training.target_batch_size is None
 
 
@@ -180,7 +175,7 @@ def main() -> None:
     accelerator = run.accelerator
     if training.micro_batch_size is None:
         training.micro_batch_size = default_micro_batch(training, run.device_type)
-    largest_target = training.target_batch_size or BATCH_DEFAULTS[training.preset][0]
+    largest_target = training.target_batch_size or crammed_bert_recipe(training.preset).target_batch_size
     sequences_per_micro_batch = training.micro_batch_size * accelerator.num_processes
     # The largest target must be whole micro-batches on every process; a budget-following ramp aims at most there.
     full = full_accumulation(largest_target, training.micro_batch_size, accelerator.num_processes)
@@ -192,7 +187,7 @@ def main() -> None:
     enable_tf32()
 
     # Build: data (cached, not counted against the budget), model, optimizer.
-    config = CrammedBertConfig.from_preset(training.preset, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = crammed_bert_recipe(training.preset).model_config()
     data = load_data(training, config, implementation.cache_dir, accelerator)
     if run.is_main_process:
         print(describe_data(data))

@@ -25,6 +25,7 @@ from cram.data import DataOptions, load_prepared, prepare
 from cram.data.collator import MaskedLMCollator
 from cram.errors import run_cli
 from cram.models.crammed_bert import CrammedBertForMaskedLM
+from cram.models.crammed_bert_recipe import RAMP_END
 from cram.train.budget import budget_triangle
 from cram.train.checkpoint import STATE_FILE, complete_checkpoints
 from cram.train.ramp import full_accumulation, ramp_accumulation
@@ -85,7 +86,7 @@ def test_batch_ramps_up_and_learning_rate_follows_the_budget(crammed_run):
     full = full_accumulation(256, micro)
     for index, row in enumerate(history):
         low, high = progress_window(history, index)
-        assert micro <= row["batch_size"] <= micro * ramp_accumulation(high, full)
+        assert micro <= row["batch_size"] <= micro * ramp_accumulation(high, full, RAMP_END)
         possible = [1e-3 * budget_triangle(low + (high - low) * tick / 1000) for tick in range(1001)]
         assert min(possible) * (1 - 1e-6) <= row["lr"] <= max(possible) * (1 + 1e-6), row["step"]
 

@@ -35,6 +35,8 @@ IGNORE_INDEX = -100
 
 # Model sizes by name. `crammed-bert` is the paper's model; the others exist for smoke runs and the demo.
 PRESETS: dict[str, dict] = {
+    # cramming/config/arch/crammed-bert.yaml: num_transformer_layers, hidden_size, intermed_size,
+    # attention.num_attention_heads; data/pile-readymade.yaml: vocab_size.
     "crammed-bert": dict(
         vocab_size=32768, hidden_size=768, num_hidden_layers=16, num_attention_heads=12, intermediate_size=3072
     ),
