@@ -31,7 +31,6 @@ from cram.data.passes import describe_passes, passes_by_steps, report_passes_onc
 from cram.data.readymade import READYMADE, ReadymadeData, is_readymade_folder, open_readymade, readymade_loader
 from cram.data.sampling import stream_loader
 from cram.errors import UserError, run_cli
-from cram.hub import ModelCardFacts
 from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
 from cram.models.crammed_bert_recipe import CRAMMED_BERT_RECIPES, crammed_bert_recipe
 from cram.plan.space import Optimizer
@@ -42,7 +41,6 @@ from cram.train.optim import build_adamw
 from cram.train.precision import enable_tf32
 from cram.train.ramp import BudgetRamp, Pace, full_accumulation, ramp_accumulation
 from cram.train.run import RecipeRun, RunOptions, check_run_options
-from cram.train.state import TrainState
 from cram.train.throughput import crammed_bert_flops_per_token
 
 Preset = Literal[tuple(CRAMMED_BERT_RECIPES)]
@@ -198,11 +196,6 @@ def main() -> None:
             f"the data has {len(data.dataset)} blocks, fewer than one micro-batch of "
             f"{training.micro_batch_size}: give more text or a smaller --micro-batch-size."
         )
-    run.check_resume({  # what a resumed run must share with the run that wrote the checkpoint
-        "training": dataclasses.asdict(training),
-        "data": {"set": data.path.name, "blocks": len(data.dataset), "vocab_size": config.vocab_size},
-        "launch": {"distributed_type": str(accelerator.distributed_type), "num_processes": accelerator.num_processes},
-    })
     model = CrammedBertForMaskedLM(config)
     if implementation.activation_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
@@ -210,7 +203,19 @@ def main() -> None:
         model, training.lr, (training.beta1, training.beta2), training.eps, training.weight_decay,
         eight_bit=training.optimizer == "adamw-8bit",
     )
-    model, optimizer, state = run.prepare(model, optimizer)
+    session = run.start(model, optimizer, training, facts={  # what a resumed run must share with the saved one
+        "training": dataclasses.asdict(training),
+        "data": {"set": data.path.name, "blocks": len(data.dataset), "vocab_size": config.vocab_size},
+        "launch": {"distributed_type": str(accelerator.distributed_type), "num_processes": accelerator.num_processes},
+    }, resolved={
+        "budget_seconds": budget_seconds,
+        "max_steps": training.max_steps,
+        "full_accumulation": full,
+        "ramp_target": "follows the budget" if follows_budget(training) else training.target_batch_size,
+        "vocab_size": config.vocab_size,
+        "data": str(data.path),
+    })
+    state = session.state
     collator = MaskedLMCollator.for_tokenizer(data.tokenizer, config.sparse_prediction, seed=training.seed)
     if isinstance(data, ReadymadeData):
         loader = readymade_loader(
@@ -233,28 +238,18 @@ def main() -> None:
         batches = report_passes_once_timed(batches, blocks=len(data.dataset),
                                            sequences_per_batch=sequences_per_micro_step,
                                            budget_seconds=budget_seconds, report=tqdm.write)  # above the bar
-    run.start_trackers(training, {
-        "budget_seconds": budget_seconds,
-        "max_steps": training.max_steps,
-        "full_accumulation": full,
-        "ramp_target": "follows the budget" if follows_budget(training) else training.target_batch_size,
-        "vocab_size": config.vocab_size,
-        "data": str(data.path),
-    }, state)
     flops_per_token = crammed_bert_flops_per_token(
         config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.vocab_size,
         config.max_position_embeddings, config.sparse_prediction,
     )
 
-    # Run: until the budget runs out or a scheduler's SIGTERM asks the run to stop.
-    def model_card(state: TrainState) -> ModelCardFacts:
-        return run.card(
-            state, model=f"crammed BERT ({training.preset})", config=config,
-            data=f"{training.data} ({len(data.dataset):,} blocks of {config.max_position_embeddings} tokens)",
-            budget=f"{training.max_steps} optimizer steps" if training.max_steps else training.budget,
-        )
-
-    checkpointer = run.checkpointer(state, model, data.tokenizer, model_card)
+    # Run: until the budget runs out or a scheduler's SIGTERM asks the run to stop; then report: checkpoint,
+    # summary, curves, model card, Hub.
+    card = dict(
+        model=f"crammed BERT ({training.preset})", config=config,
+        data=f"{training.data} ({len(data.dataset):,} blocks of {config.max_position_embeddings} tokens)",
+        budget=f"{training.max_steps} optimizer steps" if training.max_steps else training.budget,
+    )
     clock = StepClock(training.max_steps) if training.max_steps else BudgetClock(budget_seconds)
     if follows_budget(training):
         accumulation_at = BudgetRamp(state, full, sequences_per_micro_batch, budget_seconds, training.ramp_end,
@@ -262,15 +257,11 @@ def main() -> None:
     else:
         def accumulation_at(pace: Pace) -> int:
             return ramp_accumulation(pace.progress, full, training.ramp_end)
-    finished = run.train(
-        model, optimizer, batches, clock, state, checkpointer, peak_lr=training.lr, lr_shape=budget_triangle,
-        accumulation_at=accumulation_at,
-        max_grad_norm=training.max_grad_norm, flops_per_token=flops_per_token,
+    session.train(
+        batches, clock, tokenizer=data.tokenizer, card=card, peak_lr=training.lr, lr_shape=budget_triangle,
+        accumulation_at=accumulation_at, max_grad_norm=training.max_grad_norm, flops_per_token=flops_per_token,
+        blocks=len(data.dataset), load_hint=LOAD_HINT.format(checkpoint=str(run.output_dir / "final")),
     )
-
-    # Report: checkpoint, summary, curves, model card, Hub.
-    run.finish(state, finished, checkpointer, model, optimizer, data.tokenizer, model_card, blocks=len(data.dataset),
-               flops_per_token=flops_per_token, load_hint=LOAD_HINT.format(checkpoint=str(run.output_dir / "final")))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ from cram.cli import OptionParser, option, parse_strictly, summary
 from cram.data.causal import causal_data_ready, causal_lm_batch, load_causal_data
 from cram.data.sampling import stream_loader
 from cram.errors import UserError, run_cli
-from cram.hub import ModelCardFacts
 from cram.models.pythia import (
     PYTHIA_SIZES,
     PythiaRecipe,
@@ -50,6 +49,7 @@ from cram.models.pythia import (
 )
 from cram.train.accelerator import launch_device_type, local_main_first
 from cram.train.budget import StepClock
+from cram.train.checkpoint import read_checkpoint
 from cram.train.deepspeed_setup import configure_deepspeed
 from cram.train.loss_scaling import fp16_loss_scaling
 from cram.train.memory import check_model_fits
@@ -58,7 +58,6 @@ from cram.train.precision import Precision, enable_tf32, gpu_has_bf16_units
 from cram.train.ramp import full_accumulation
 from cram.train.revisions import parse_revision_steps
 from cram.train.run import RecipeRun, RunOptions, check_run_options
-from cram.train.state import TrainState
 from cram.train.throughput import gpt_neox_flops_per_token
 
 PythiaSizeName = Literal[tuple(PYTHIA_SIZES)]
@@ -203,27 +202,20 @@ def main() -> None:
                             ready=lambda: causal_data_ready(*data_arguments))
     if run.is_main_process:
         print(f"data: {data.description}")
-    run.check_resume({  # what a resumed run must share with the run that wrote the checkpoint
-        # --stop-at-step may differ: a run stopped early goes on to a later step of the same schedule.
-        "training": {key: value for key, value in dataclasses.asdict(training).items() if key != "stop_at_step"},
-        "data": {"set": data.name, "sequences": len(data.sequences)},
-        "launch": {"distributed_type": str(accelerator.distributed_type), "num_processes": accelerator.num_processes},
-    })
+    if run.resume_from is not None and (resumed_at := read_checkpoint(run.resume_from)[0].optimizer_steps) > stop_at:
+        raise UserError(f"{run.resume_from} is at step {resumed_at}, past --stop-at-step {stop_at}: give a later step "
+                        "to go on to, or start a new run in another --output-dir.")
     plugin = accelerator.state.deepspeed_plugin  # zero.Init only where the launch config asks for it
     model = build_pythia_model(training.size, config, zero_init=plugin is not None and plugin.is_zero3_init_enabled())
     if implementation.activation_checkpointing:
         model.gradient_checkpointing_enable({"use_reentrant": False})
     optimizer = build_adamw(model, peak_lr, recipe.betas, recipe.eps, recipe.weight_decay)
-    model, optimizer, state = run.prepare(model, optimizer)
-    if state.optimizer_steps > stop_at:
-        raise UserError(f"{run.resume_from} is at step {state.optimizer_steps}, past --stop-at-step {stop_at}: give a "
-                        "later step to go on to, or start a new run in another --output-dir.")
-    batches = iter(stream_loader(
-        data.sequences, causal_lm_batch, start=state.sequences, micro_batch_size=training.micro_batch_size,
-        process_index=accelerator.process_index, num_processes=accelerator.num_processes,
-        num_workers=run.num_workers, pin_memory=run.device_type == "cuda",
-    ))
-    run.start_trackers(training, {
+    session = run.start(model, optimizer, training, facts={  # what a resumed run must share with the saved one
+        # --stop-at-step may differ: a run stopped early goes on to a later step of the same schedule.
+        "training": {key: value for key, value in dataclasses.asdict(training).items() if key != "stop_at_step"},
+        "data": {"set": data.name, "sequences": len(data.sequences)},
+        "launch": {"distributed_type": str(accelerator.distributed_type), "num_processes": accelerator.num_processes},
+    }, resolved={
         "max_steps": max_steps, "stop_at_step": stop_at, "seq_len": seq_len, "global_batch_size": global_batch,
         "peak_lr": peak_lr,
         "accumulation": accumulation, "warmup_steps": recipe.warmup_fraction * max_steps,
@@ -231,32 +223,31 @@ def main() -> None:
         "released_precision": recipe.precision, "precision_departure": departure,
         "deepspeed_fp16": (accelerator.state.deepspeed_plugin.deepspeed_config.get("fp16")
                            if accelerator.state.deepspeed_plugin is not None else None),
-    }, state)
+    })
+    batches = iter(stream_loader(
+        data.sequences, causal_lm_batch, start=session.state.sequences, micro_batch_size=training.micro_batch_size,
+        process_index=accelerator.process_index, num_processes=accelerator.num_processes,
+        num_workers=run.num_workers, pin_memory=run.device_type == "cuda",
+    ))
     flops_per_token = gpt_neox_flops_per_token(
         config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.vocab_size, seq_len)
 
-    # Run: the step-based schedule, keeping the model at Pythia's checkpoint steps up to the stop.
-    def model_card(state: TrainState) -> ModelCardFacts:
-        return run.card(
-            state, model=f"GPT-NeoX ({training.size})", config=config, auto_class="AutoModelForCausalLM",
-            data=f"{training.data} ({len(data.sequences):,} sequences of {seq_len + 1} tokens)",
-            budget=describe_schedule(max_steps, stop_at, recipe.train_steps, global_batch, seq_len),
-            trust_remote_code=False,
-        )
-
-    go_on_from = [stop_at] if training.stop_at_step else []  # a run stopped early keeps its state to continue
-    checkpointer = run.checkpointer(state, model, data.tokenizer, model_card, revisions_at=revision_steps,
-                                    states_at=go_on_from)
-    finished = run.train(
-        model, optimizer, batches, StepClock(max_steps, stop_at=stop_at), state, checkpointer, peak_lr=peak_lr,
-        lr_shape=recipe.lr_shape(max_steps),
-        accumulation_at=lambda progress: accumulation, max_grad_norm=recipe.max_grad_norm,
-        flops_per_token=flops_per_token,
+    # Run: the step-based schedule, keeping the model at Pythia's checkpoint steps up to the stop; then report:
+    # checkpoint, summary, curves, model card, Hub.
+    card = dict(
+        model=f"GPT-NeoX ({training.size})", config=config, auto_class="AutoModelForCausalLM",
+        data=f"{training.data} ({len(data.sequences):,} sequences of {seq_len + 1} tokens)",
+        budget=describe_schedule(max_steps, stop_at, recipe.train_steps, global_batch, seq_len),
+        trust_remote_code=False,
     )
-
-    # Report: checkpoint, summary, curves, model card, Hub.
-    run.finish(state, finished, checkpointer, model, optimizer, data.tokenizer, model_card, blocks=len(data.sequences),
-               flops_per_token=flops_per_token, load_hint=LOAD_HINT.format(checkpoint=str(run.output_dir / "final")))
+    go_on_from = [stop_at] if training.stop_at_step else []  # a run stopped early keeps its state to continue
+    session.train(
+        batches, StepClock(max_steps, stop_at=stop_at), tokenizer=data.tokenizer, card=card, peak_lr=peak_lr,
+        lr_shape=recipe.lr_shape(max_steps), accumulation_at=lambda progress: accumulation,
+        max_grad_norm=recipe.max_grad_norm, flops_per_token=flops_per_token, blocks=len(data.sequences),
+        load_hint=LOAD_HINT.format(checkpoint=str(run.output_dir / "final")), revisions_at=revision_steps,
+        states_at=go_on_from,
+    )
 
 
 LOAD_HINT = """    from transformers import AutoModelForCausalLM, AutoTokenizer

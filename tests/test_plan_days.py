@@ -80,7 +80,7 @@ def test_saves_counted_as_the_engine_schedules_them(monkeypatch, steps, step_sec
     scheduled = [step for step in recipe_for("pythia-160m").checkpoint_steps if step <= steps]
     checkpointer = CountingCheckpointer(scheduled, every_seconds, save_seconds=3.0, clock=clock)
     state = TrainState()
-    checkpointer.save(state)  # step 0, before the loop (RecipeRun.checkpointer)
+    checkpointer.save(state)  # step 0, before the loop (RunSession.train)
     while True:  # as cram.train.loop.train asks before every step
         if checkpointer.due(state, checkpointer.time_due()):
             checkpointer.save(state)
