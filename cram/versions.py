@@ -110,6 +110,6 @@ def warn_about_untested_versions(installed: Callable[[str], str] = importlib.met
         _warned_untested.add(package)
         print(
             f"note: {package} {version} is older than {newest}, the newest cram's whole test suite ran with; the "
-            "floors job ran a subset of it at cram's floors (README: Versions).",
+            "floors job ran a subset of it at cram's floors (docs/compatibility.md).",
             file=sys.stderr,
         )

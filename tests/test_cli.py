@@ -11,6 +11,7 @@ import pytest
 from launching import load_recipe
 
 from cram.errors import run_cli
+from cram.eval import causal_lm
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 PRECISION = "--precision {auto,bf16,fp16,fp32}"
@@ -66,6 +67,17 @@ def test_help_lists_the_choices_and_the_dashed_spellings_first(name, monkeypatch
     assert not [line for line in option_lines if "_" in line.split()[0]], option_lines
     usage = help_text.split("\n\n")[0]
     assert "--" in usage and not re.search(r"--\w*_", usage), usage
+    # The description is the docstring's whole first paragraph, not a first line cut mid-sentence.
+    docstring = sys.modules[f"cli_{name}"].__doc__
+    assert " ".join(docstring.split("\n\n")[0].split()) in flat
+
+
+def test_the_causal_lm_evaluations_help_describes_it_in_whole_sentences(capsys):
+    with pytest.raises(SystemExit) as exited:
+        causal_lm.main(["--help"])
+    assert exited.value.code == 0
+    assert "on a slice of data, and EleutherAI's lm-eval harness on the tasks the Pythia paper reports." in \
+        " ".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.parametrize("name", list(CHOICES))

@@ -1,8 +1,10 @@
 """GLUE fine-tuning and evaluation of any encoder checkpoint: one fresh copy per task and seed, through `Trainer`.
 
-The protocol defaults are the "GLUE-sane" ones of the cramming paper (REFERENCE.md section 1): AdamW lr 4e-5,
-betas (0.9, 0.98), eps 1e-6, no weight decay, batch 16, cosine decay after 10 % warm-up, 5 epochs, max length 128,
-dropout 0.1, no gradient clipping. Batches are padded to their longest member (a multiple of 8), not to the max length.
+The protocol defaults are the "GLUE-sane" ones of the cramming paper, from cramming/config/eval/GLUE_sane.yaml
+(optim.lr 4e-5, batch_size 16, scheduler cosine-decay, warmup_steps 0.1, epochs 5, max_seq_length 128,
+eval_in_train_mode True: dropout on, gradient_clipping empty: none) and eval/optim/adam.yaml (betas 0.9, 0.98, eps
+1e-6, weight_decay 0); dropout 0.1 is arch/crammed-bert.yaml's hidden_dropout_prob. Batches are padded to their
+longest member (a multiple of 8), not to the max length.
 
 Each finished (task, seed) writes `OUTPUT_DIR/results/TASK-seedN.json`; an evaluation started again of the same
 checkpoint (by the digest of its files, not its path) with the same protocol skips those and runs only what is missing.

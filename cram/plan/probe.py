@@ -45,7 +45,7 @@ from cram.train.precision import enable_tf32
 from cram.train.state import TrainState
 from cram.train.throughput import peak_flops
 
-# Pythia's tokenizer cannot be fetched here; any real text in ids below the vocabulary times the same (dense model).
+# The probe downloads nothing: in a dense model any real text in ids below the vocabulary times the same as Pythia's.
 PYTHIA_STANDIN_VOCAB = 8192
 # A last guard against a process group stuck in a collective (a rank that died outside a probe): the launch ends.
 COLLECTIVE_TIMEOUT_MINUTES = 10.0

@@ -143,8 +143,8 @@ def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
 def shut_down(accelerator: Accelerator) -> None:
     """End a run on every process together: wait for all, finish the trackers, release the engines, end the group.
 
-    A process that left while another was still writing could take DeepSpeed's and gloo's threads down with it
-    mid-work (seen as "terminate called without an active exception" on a ZeRO-3 rank).
+    A process that leaves while another is still writing can take DeepSpeed's and gloo's threads down with it
+    mid-work ("terminate called without an active exception" on a ZeRO-3 rank).
     """
     accelerator.wait_for_everyone()
     accelerator.free_memory()

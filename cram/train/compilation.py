@@ -17,11 +17,9 @@ COMPILE_CHOICES: tuple[str, ...] = get_args(CompileChoice)
 def resolve_compile(choice: str, device_type: str) -> bool:
     """Whether to `torch.compile`; `compile_reason` says why, for the resolved options.
 
-    `auto` compiles only where a measurement showed it helps: on GPUs Triton supports (compute capability 7.0
-    and newer). On the CPU the step is matrix products, which inductor leaves to the same kernels: on a quiet
-    machine `make bench --compile` measured the compiled crammed-BERT step at 1.07× the eager one's throughput,
-    inside the noise, with `aten::mm` about 85 % of both profiles (README, bench section), so `auto` does not
-    spend minutes compiling there.
+    `auto` compiles on GPUs Triton supports (compute capability 7.0 and newer) and not on the CPU, where the step
+    is matrix products that inductor leaves to the same kernels, so compiling would cost minutes and gain nothing
+    (`make bench --compile` compares the two; docs/benchmarks.md).
     """
     return compile_decision(choice, device_type)[0]
 
@@ -37,8 +35,7 @@ def compile_decision(choice: str, device_type: str) -> tuple[bool, str]:
     if choice != "auto":
         return choice == "true", f"--compile {choice} asked for it"
     if device_type != "cuda":
-        return False, ("auto: off on the CPU, where the step is matrix products inductor cannot speed up "
-                       "(make bench: compiled 1.07x eager, within the noise)")
+        return False, "auto: off on the CPU, where the step is matrix products inductor cannot speed up"
     major, minor = torch.cuda.get_device_capability()
     if major < 7:
         return False, f"auto: off on a GPU of compute capability {major}.{minor}, below Triton's 7.0"

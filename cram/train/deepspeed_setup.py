@@ -22,9 +22,9 @@ def skip_deepspeed_shared_memory_op() -> None:
     When its communication backend starts on the CPU, DeepSpeed loads its shared-memory all-reduce
     (deepspeed/comm/torch.py: `TorchBackend.__init__` calls `build_shm_op`), which only `inference_all_reduce` uses;
     training reduces through torch.distributed over gloo. Loading it first probes every DeepSpeed op for
-    compatibility, with compiler subprocesses (deepspeed/ops/__init__.py: `__compatible_ops__`), then compiles the op:
-    about two CPU-minutes of g++ on a 2-core machine the first time. Marked incompatible, it is neither probed nor
-    built. An earlier DeepSpeed made the table at import; the entry is set the same way there.
+    compatibility, with compiler subprocesses (deepspeed/ops/__init__.py: `__compatible_ops__`), then compiles the op
+    with g++, which makes a first start slow on a small machine. Marked incompatible, it is neither probed nor
+    built. DeepSpeed releases that build the table at import get the same entry.
     """
     import deepspeed.ops
 
@@ -38,8 +38,8 @@ def tell_deepspeed_the_local_processes() -> None:
     On the CPU, DeepSpeed's `device_count()` is LOCAL_SIZE (deepspeed/launcher/launch.py sets it to the local
     processes), else the NUMA nodes `numactl --hardware` lists (deepspeed/accelerator/cpu_accelerator.py). Under
     `accelerate launch` LOCAL_SIZE is unset, so ZeRO-3's gradient reduction (stage3.py: `local_world_size =
-    get_accelerator().device_count()`) ran `numactl`: DeepSpeed 0.14.4 failed where it is not installed, and later
-    releases count one device for two processes.
+    get_accelerator().device_count()`) would run `numactl`, which fails where it is not installed (DeepSpeed
+    0.14.4) or counts one device for two processes (later releases).
     """
     os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
 

@@ -19,7 +19,7 @@ def resolve_precision(choice: str, device_type: str) -> str:
 
     `auto` keeps a precision the launch config asked for; otherwise bf16 autocast on GPUs with bf16 tensor cores
     (compute capability 8.0 and newer), fp16 on older GPUs, bf16 on CPUs with native bf16 matrix units (AMX or
-    AVX512-BF16, where `make bench` measured it several times faster than fp32), and fp32 on other CPUs.
+    AVX512-BF16), where it is faster than fp32, and fp32 on other CPUs, where torch emulates bf16 slowly.
     """
     if choice not in PRECISIONS:
         raise UserError(f"unknown precision {choice!r}: choose one of {', '.join(PRECISIONS)}.")
