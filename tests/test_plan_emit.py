@@ -45,7 +45,8 @@ def test_a_pair_under_a_folder_with_spaces_and_a_hash_reads_back_in_accelerate_a
     assert parsed.zero_config.reduce_bucket_size == 768 * 768
     if candidate.zero_stage < 3:
         assert parsed.zero_config.allgather_bucket_size == 768 * 768
-    assert str(parsed.grad_accum_dtype) == "fp32"
+    # fp32 accumulation at stages 1 and 2; ZeRO-3 keeps the training dtype (fp32 there trains on NaN at deepspeed 0.16).
+    assert parsed.grad_accum_dtype == ("fp32" if candidate.zero_stage < 3 else None)
     assert (parsed.zero_config.offload_optimizer is not None) == candidate.offload
 
 

@@ -20,12 +20,14 @@ def deepspeed_config(candidate: Candidate, hidden_size: int) -> dict:
     model's hidden size (hidden², as it does for reduce_bucket_size), the same hidden² for the all-gather bucket,
     which Accelerate does not fill.
 
-    Gradients accumulate in fp32 over micro-batches at every stage: summed in bf16 (8 significant bits), a
+    Gradients accumulate in fp32 over micro-batches at stages 1 and 2: summed in bf16 (8 significant bits), a
     micro-batch's gradient is rounded away once the running sum is a few hundred times larger, which the long
     accumulations of a large global batch on few GPUs reach. It costs memory where DeepSpeed keeps the sum whole:
     under bf16, stage 1 runs DeepSpeed's BF16_Optimizer with a full fp32 gradient on every GPU (2 + 2 + 4 + 12/N
-    bytes per parameter), stage 1 with offload a full fp32 accumulator per parameter, stages 2 and 3 only their
-    fp32 partition; `cram.train.memory.deepspeed_parts` counts each, so the planner weighs it."""
+    bytes per parameter), stage 1 with offload a full fp32 accumulator per parameter, stage 2 only its fp32
+    partition. Stage 3 keeps DeepSpeed's default, the training dtype: at the deepspeed floor (0.16) a ZeRO-3
+    engine given fp32 accumulation trains on NaN losses from the first step. `cram.train.memory.deepspeed_parts`
+    counts each, so the planner weighs it."""
     zero: dict = {"stage": candidate.zero_stage, "reduce_bucket_size": "auto"}
     if candidate.zero_stage in (1, 2):
         zero["allgather_bucket_size"] = hidden_size * hidden_size
@@ -45,11 +47,12 @@ def deepspeed_config(candidate: Candidate, hidden_size: int) -> dict:
         "gradient_clipping": "auto",
         "bf16": {"enabled": "auto"},
         "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16},
-        "data_types": {"grad_accum_dtype": "fp32"},
         "steps_per_print": 1_000_000_000,
         "wall_clock_breakdown": False,
         "zero_optimization": zero,
     }
+    if candidate.zero_stage in (1, 2):
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
     if candidate.optimizer == "adamw-8bit":
         config["zero_allow_untested_optimizer"] = True  # bitsandbytes' optimizer is not on DeepSpeed's list
     return config

@@ -2,15 +2,15 @@
 weights, gradients and optimizer state take under a launch's sharding, and the check that refuses a size before
 anything is allocated.
 
-DeepSpeed ZeRO rows count what the engine allocates under the emitted configs (`ds_configs/*.json`, which
-accumulate gradients in fp32), read from DeepSpeed's source, not from its estimators (`estimate_zero2_...`, which
-count 2 + 18/N bytes per parameter whatever the precision and add a 1.5 buffer factor to the host): with bf16 and
-fp32 accumulation, stage 1 without offload runs DeepSpeed's BF16_Optimizer (deepspeed/runtime/engine.py:
-`_do_optimizer_sanity_check`), which keeps a full fp32 gradient on every GPU; stage 1 with offload accumulates into
-a full fp32 `grad_accum` per parameter (zero/stage_1_and_2.py: `use_grad_accum_attribute`); stages 1 and 2 keep a
-separate fp32 master partition even in fp32 (`single_partition_of_fp32_groups`); stage 3 adds the layer it has
-gathered and that layer's gradient. Without ZeRO the state is 4 + 4 + 8 (fp32 weights, gradients and two moments;
-autocast keeps no master copy). Activations come on top, so passing `check_model_fits` is necessary, not
+DeepSpeed ZeRO rows count what the engine allocates under the emitted configs (`ds_configs/*.json`, which accumulate
+gradients in fp32 at stages 1 and 2 and in the training dtype at stage 3), read from DeepSpeed's source, not from its
+estimators (`estimate_zero2_...`, which count 2 + 18/N bytes per parameter whatever the precision and add a 1.5 buffer
+factor to the host): with bf16 and fp32 accumulation, stage 1 without offload runs DeepSpeed's BF16_Optimizer
+(deepspeed/runtime/engine.py: `_do_optimizer_sanity_check`), which keeps a full fp32 gradient on every GPU; stage 1 with
+offload accumulates into a full fp32 `grad_accum` per parameter (zero/stage_1_and_2.py: `use_grad_accum_attribute`);
+stages 1 and 2 keep a separate fp32 master partition even in fp32 (`single_partition_of_fp32_groups`); stage 3 adds the
+layer it has gathered and that layer's gradient. Without ZeRO the state is 4 + 4 + 8 (fp32 weights, gradients and two
+moments; autocast keeps no master copy). Activations come on top, so passing `check_model_fits` is necessary, not
 sufficient: the planner measures.
 """
 
@@ -26,8 +26,6 @@ from accelerate.utils import DistributedType
 from cram.errors import UserError
 
 GIB = 2**30
-# The emitted DeepSpeed configs accumulate gradients in fp32 ("data_types": {"grad_accum_dtype": "fp32"}).
-ACCUMULATION_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -76,7 +74,7 @@ def model_state_bytes(parameters: int, largest_layer_parameters: int, zero_stage
 
 def deepspeed_parts(parameters: int, largest_layer_parameters: int, zero_stage: int, offload_optimizer: bool,
                     offload_param: bool, devices: int, mixed_precision: bool) -> list[Part]:
-    """What one process of a ZeRO launch holds at the end of a backward pass, with fp32 gradient accumulation."""
+    """What one process of a ZeRO launch holds at the end of a backward pass, under the emitted config."""
     p, n, largest = float(parameters), devices, float(largest_layer_parameters)
     weight = 2 if mixed_precision else 4  # the engine's own copy of the weights: 16-bit under mixed precision
     offloaded = "host" if offload_optimizer else "device"
@@ -102,7 +100,7 @@ def deepspeed_parts(parameters: int, largest_layer_parameters: int, zero_stage: 
             parts.append(Part("fp32 master weights and Adam moments", "device", 4, 12 * p / n))
         return parts
     parts += [Part("weight partition", "host" if offload_param else "device", weight, weight * p / n),
-              Part("fp32 gradient partition", offloaded, ACCUMULATION_BYTES, ACCUMULATION_BYTES * p / n),
+              Part("gradient partition", offloaded, weight, weight * p / n),  # stage 3: the training dtype
               Part("fp32 master weights and Adam moments", offloaded, 4, 12 * p / n),
               Part("gathered layer and its gradient", "device", weight, 2 * weight * largest)]
     if offload_optimizer:  # DeepSpeed's CPU Adam reads the gradient from the master partition's own .grad
