@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, get_args
-
-Tracker = Literal["none", "wandb", "tensorboard"]
-TRACKERS: tuple[str, ...] = get_args(Tracker)
+TRACKERS = ("none", "wandb", "tensorboard")
 
 
 def flatten_config(config: dict, prefix: str = "") -> dict[str, str | int | float | bool]:
