@@ -159,7 +159,8 @@ def initialize_pythia_weights(model: GPTNeoXForCausalLM, name: str) -> None:
                     param.zero_()
     for module in model.modules():  # the rotary tables: buffers, not parameters (garbage after `to_empty`)
         if hasattr(module, "original_inv_freq"):
-            inv_freq, _ = module.compute_default_rope_parameters(module.config, device=module.inv_freq.device)
+            # No `device=`: transformers 5.17 deprecates it; `copy_` moves the table to the buffer's device.
+            inv_freq, _ = module.compute_default_rope_parameters(module.config)
             module.inv_freq.copy_(inv_freq)
             module.original_inv_freq.copy_(inv_freq)
 
