@@ -36,7 +36,13 @@ from cram.train.budget import BudgetClock, StepClock, budget_triangle, parse_bud
 from cram.train.optim import build_adamw
 from cram.train.ramp import RAMP_END, BudgetRamp, Pace, full_accumulation, ramp_accumulation
 from cram.train.run import RecipeRun, RunOptions, check_run_options
-from cram.train.runtime import check_optimizer_for_deepspeed, configure_deepspeed, enable_tf32, local_main_first
+from cram.train.runtime import (
+    check_optimizer_for_deepspeed,
+    configure_deepspeed,
+    enable_activation_checkpointing,
+    enable_tf32,
+    local_main_first,
+)
 from cram.train.sampling import stream_loader
 from cram.train.state import TrainState
 from cram.train.throughput import crammed_bert_flops_per_token
@@ -210,7 +216,7 @@ def main() -> None:
     })
     model = CrammedBertForMaskedLM(config)
     if implementation.activation_checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
+        enable_activation_checkpointing(model)
     optimizer = build_adamw(
         model, training.lr, (training.beta1, training.beta2), training.eps, training.weight_decay,
         eight_bit=training.optimizer == "adamw-8bit",

@@ -56,6 +56,7 @@ from cram.train.run import RecipeRun, RunOptions, check_run_options
 from cram.train.runtime import (
     PRECISIONS,
     configure_deepspeed,
+    enable_activation_checkpointing,
     enable_tf32,
     fp16_loss_scaling,
     gpu_has_bf16_units,
@@ -218,7 +219,7 @@ def main() -> None:
     plugin = accelerator.state.deepspeed_plugin  # zero.Init only where the launch config asks for it
     model = build_pythia_model(training.size, config, zero_init=plugin is not None and plugin.is_zero3_init_enabled())
     if implementation.activation_checkpointing:
-        model.gradient_checkpointing_enable({"use_reentrant": False})
+        enable_activation_checkpointing(model)
     optimizer = build_adamw(model, peak_lr, recipe.betas, recipe.eps, recipe.weight_decay)
     model, optimizer, state = run.prepare(model, optimizer)
     if state.optimizer_steps > stop_at:

@@ -6,7 +6,6 @@ import json
 import sys
 from pathlib import Path
 
-import bitsandbytes
 import pytest
 import torch
 from launching import run
@@ -14,6 +13,7 @@ from launching import run
 from cram.data.collator import MaskedLMCollator
 from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
 from cram.train.optim import build_adamw
+from cram.train.runtime import enable_activation_checkpointing
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,6 +37,8 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def test_eight_bit_adamw_trains_with_a_quarter_of_the_optimizer_state():
     model = tiny_model()
     optimizer = build_adamw(model, 1e-3, (0.9, 0.98), 1e-12, 0.01, eight_bit=True)
+    import bitsandbytes  # here, not at the top: the module's other tests run in the floors' base install too
+
     assert isinstance(optimizer, bitsandbytes.optim.AdamW8bit)
     assert [group["weight_decay"] for group in optimizer.param_groups] == [0.01, 0.0]
     inputs = batch()
@@ -59,7 +61,7 @@ def test_eight_bit_adamw_trains_with_a_quarter_of_the_optimizer_state():
 def test_activation_checkpointing_recomputes_layers_and_leaves_the_gradients_unchanged():
     inputs = batch(4)
     plain, checkpointed = tiny_model(), tiny_model()
-    checkpointed.activation_checkpointing_enable({"use_reentrant": False})
+    enable_activation_checkpointing(checkpointed)
     calls = []
     # A pre-hook: the recomputation stops as soon as the saved tensors are rebuilt, before the FFN returns.
     checkpointed.bert.layers[0].ffn.register_forward_pre_hook(lambda *_: calls.append(1))

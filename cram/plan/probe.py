@@ -41,6 +41,7 @@ from cram.train.runtime import (
     build_accelerator,
     check_optimizer_for_deepspeed,
     configure_deepspeed,
+    enable_activation_checkpointing,
     enable_tf32,
     is_compiled,
     local_main_first,
@@ -109,7 +110,7 @@ class CandidateRun:
         set_seed(0)
         model = build_model(self.config, zero_init=plugin is not None and plugin.is_zero3_init_enabled())
         if self.candidate.checkpointing:
-            model.activation_checkpointing_enable({"use_reentrant": False})
+            enable_activation_checkpointing(model)
         optimizer = build_adamw(model, 1e-4, (0.9, 0.95), 1e-8, 0.01,
                                 eight_bit=self.candidate.optimizer == "adamw-8bit")
         configure_deepspeed(accelerator, micro_batch, self.global_batch_size, 1.0)

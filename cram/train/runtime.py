@@ -191,6 +191,14 @@ def compile_decision(choice: str, device_type: str) -> tuple[bool, str]:
     return True, f"auto: on for a GPU of compute capability {major}.{minor} (Triton's inductor kernels)"
 
 
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each layer in the backward pass (non-reentrant checkpoints). transformers 5.0 to 5.17 name the switch
+    `gradient_checkpointing_enable`; later releases `activation_checkpointing_enable`, keeping the old name as a
+    deprecated alias, so the new name alone fails on the older releases cram supports."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable({"use_reentrant": False})
+
+
 def enable_tf32() -> None:
     """TF32 matmuls and convolutions: a free speed-up on Ampere and newer, ignored elsewhere."""
     torch.backends.cuda.matmul.allow_tf32 = True
