@@ -231,6 +231,9 @@ def test_bad_input_gets_one_sentence_before_any_training(
         monkeypatch, capsys, ["--model", tmp_path / "not-a-model", "--tasks", "rte", *common])
     assert "wnli is not a GLUE task" in run_in_process(
         monkeypatch, capsys, ["--model", crammed_checkpoint, "--tasks", "rte,wnli", *common])
+    positions = json.loads((Path(crammed_checkpoint) / "config.json").read_text())["max_position_embeddings"]
+    assert f"--max-length {positions + 1} is longer than the {positions} positions" in run_in_process(
+        monkeypatch, capsys, ["--model", crammed_checkpoint, "--tasks", "rte", "--max-length", positions + 1, *common])
 
     partial = shutil.copytree(glue_dir, tmp_path / "partial")
     (partial / "MNLI" / "dev_mismatched.tsv").unlink()

@@ -159,6 +159,10 @@ def prepare_evaluation(options: GlueOptions, run: GlueRunOptions) -> Evaluation:
             f"{num_processes}."
         )
     config = load_config(options.model)
+    positions = getattr(config, "max_position_embeddings", None)  # None: no table to run past (relative positions)
+    if positions is not None and options.max_length > positions:
+        raise UserError(f"--max-length {options.max_length} is longer than the {positions} positions {options.model} "
+                        f"has: give --max-length {positions} or less.")
     tokenizer = load_tokenizer(options.model, config)
     if config.model_type == "crammed_bert":
         check_classification_token_first(tokenizer, options.model)
