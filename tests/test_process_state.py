@@ -24,6 +24,7 @@ from cram.train.runtime import (
     skip_deepspeed_shared_memory_op,
     tell_deepspeed_the_local_processes,
     use_cpu_cores,
+    wait_for_each_all_gather,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -134,3 +135,41 @@ def test_deepspeed_on_the_cpu_counts_this_machines_processes_as_its_devices(monk
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     tell_deepspeed_the_local_processes()
     assert get_accelerator().device_count() == 2
+
+
+@pytest.mark.parametrize("version, waits", [("0.16.0", True), ("0.19.7", True), ("0.19.8", False)])
+def test_deepspeed_before_0_19_8_has_each_all_gather_done_before_it_returns(monkeypatch, version, waits):
+    # Before 0.19.8, ZeRO-3's gather of several parameters waits on its last all-gather alone, which gloo does not
+    # order: the floors' ZeRO-3 Pythia runs read garbage weights at random until each one was waited on.
+    import deepspeed
+    from deepspeed import comm
+
+    events = []
+
+    class Work:
+        def __init__(self, name: str):
+            self.name = name
+
+        def wait(self) -> None:
+            events.append(("wait", self.name))
+
+    def launcher(name: str):
+        def launch(*args, async_op=False, **kwargs):
+            events.append(("launch", name))
+            return Work(name) if async_op else None
+        return launch
+
+    for name in ("all_gather_into_tensor", "all_gather"):
+        monkeypatch.setattr(comm, name, launcher(name))
+    monkeypatch.setattr(comm, "_cram_waits_for_each", False, raising=False)
+    monkeypatch.setattr(deepspeed, "__version__", version)
+    wait_for_each_all_gather()
+    comm.all_gather_into_tensor("output", "input", async_op=True)
+    comm.all_gather(["output"], "input", async_op=True)
+    comm.all_gather(["output"], "input")  # a blocking call has no handle to wait on
+    launched = [("launch", "all_gather_into_tensor"), ("launch", "all_gather"), ("launch", "all_gather")]
+    if waits:
+        assert events == [launched[0], ("wait", "all_gather_into_tensor"), launched[1], ("wait", "all_gather"),
+                          launched[2]]
+    else:
+        assert events == launched

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib.metadata
 import os
@@ -282,6 +283,7 @@ def prepare_deepspeed_on_the_cpu() -> None:
     """What DeepSpeed on the CPU needs before it starts, in a recipe's launch or any other caller's."""
     skip_deepspeed_shared_memory_op()
     tell_deepspeed_the_local_processes()
+    wait_for_each_all_gather()
 
 
 def skip_deepspeed_shared_memory_op() -> None:
@@ -298,6 +300,33 @@ def skip_deepspeed_shared_memory_op() -> None:
 
     table = vars(deepspeed.ops).setdefault("__compatible_ops__", {})
     table["deepspeed_shm_comm"] = False  # deepspeed/ops/op_builder/cpu/comm.py: ShareMemCommBuilder.NAME
+
+
+def wait_for_each_all_gather() -> None:
+    """Make DeepSpeed's all-gathers on the CPU complete before they return, where DeepSpeed waits on the last alone.
+
+    Before 0.19.8, ZeRO-3's gather of several parameters at once (deepspeed/runtime/zero/partition_parameters.py:
+    `_allgather_params_coalesced`, behind `GatheredParameters` and the 16-bit state dict a model export reads)
+    launches one asynchronous all-gather per parameter and waits on the last one only ("Wait ensures the operation
+    is enqueued"), which a CUDA stream orders but gloo does not: on the CPU the earlier parameters could still be
+    arriving, so a rank read, exported or wrote back garbage weights at random. 0.19.8 waits on each handle.
+    """
+    import deepspeed
+    from deepspeed import comm
+
+    if Version(deepspeed.__version__) >= Version("0.19.8") or getattr(comm, "_cram_waits_for_each", False):
+        return
+    for name in ("all_gather_into_tensor", "all_gather"):
+        launch = getattr(comm, name)
+
+        def completed(*args, _launch=launch, **kwargs):
+            handle = _launch(*args, **kwargs)
+            if handle is not None:
+                handle.wait()  # waiting again on completed work, as DeepSpeed later does, returns at once
+            return handle
+
+        setattr(comm, name, functools.wraps(launch)(completed))
+    comm._cram_waits_for_each = True
 
 
 def tell_deepspeed_the_local_processes() -> None:
