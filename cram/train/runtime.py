@@ -193,9 +193,9 @@ def compile_decision(choice: str, device_type: str) -> tuple[bool, str]:
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Recompute each layer in the backward pass (non-reentrant checkpoints). transformers 5.0 to 5.17 name the switch
-    `gradient_checkpointing_enable`; later releases `activation_checkpointing_enable`, keeping the old name as a
-    deprecated alias, so the new name alone fails on the older releases cram supports."""
+    """Recompute each layer in the backward pass (non-reentrant checkpoints). transformers 5.0 and 5.17 (the floor and
+    a GPU image's) have only `gradient_checkpointing_enable`; 5.24 calls it `activation_checkpointing_enable` and keeps
+    the old name as a deprecated alias, so the new name alone fails on older releases cram supports."""
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     enable({"use_reentrant": False})
 
