@@ -1,19 +1,15 @@
 """The planner's probe with one fault injected, for tests/test_plan_sweep.py: process 1 alone runs out of memory
-from micro-batch 8 on (a device OOM, which a CPU cannot produce), while process 0 goes on into a collective.
-
-Process 0 is also slow to note that it tries micro-batch 8, as a loaded machine made it once: process 1 must not
-fail (and end the launch) before that note is written, or the parent cannot tell which size crashed."""
+from micro-batch 8 on (a device OOM, which a CPU cannot produce), while process 0 goes on into a collective and is
+slow to note that it tries micro-batch 8 (tests/plan_faults.py)."""
 
 from __future__ import annotations
-
-import time
 
 import torch
 
 from cram.plan import probe
+from tests.plan_faults import run_probe
 
 _real_steps = probe.CandidateRun.steps
-_real_note_progress = probe.note_progress
 
 
 def steps_with_rank_one_out_of_memory(self, micro_batch: int, accumulation: int, clock) -> None:
@@ -22,14 +18,5 @@ def steps_with_rank_one_out_of_memory(self, micro_batch: int, accumulation: int,
     _real_steps(self, micro_batch, accumulation, clock)
 
 
-def slow_note_of_micro_batch_eight(request: dict, accelerator, entry: dict) -> None:
-    if entry == {"trying": 8} and accelerator.is_main_process:
-        time.sleep(3.0)
-    _real_note_progress(request, accelerator, entry)
-
-
-probe.CandidateRun.steps = steps_with_rank_one_out_of_memory
-probe.note_progress = slow_note_of_micro_batch_eight
-
 if __name__ == "__main__":
-    probe.main()
+    run_probe(steps_with_rank_one_out_of_memory, note_late=lambda entry: entry == {"trying": 8})
