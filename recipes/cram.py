@@ -15,6 +15,7 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 # This script is named like the package it uses: keep its own folder from shadowing `cram` on the import path.
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
@@ -22,77 +23,68 @@ sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Pa
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-from transformers import HfArgumentParser
 
-from cram.cli import option, parse_strictly
+from cram.cli import OptionParser, option, parse_strictly, summary
 from cram.data import DataOptions, PreparedData, is_prepared, load_prepared, prepare, prepared_path
 from cram.data.collator import MaskedLMCollator
 from cram.data.passes import describe_passes, passes_by_steps, report_passes_once_timed
 from cram.data.readymade import READYMADE, ReadymadeData, is_readymade_folder, open_readymade, readymade_loader
+from cram.data.sampling import stream_loader
 from cram.errors import UserError, run_cli
-from cram.hub import ModelCardFacts
-from cram.models.crammed_bert import PRESETS, CrammedBertConfig, CrammedBertForMaskedLM
+from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
+from cram.models.crammed_bert_recipe import CRAMMED_BERT_RECIPES, crammed_bert_recipe
+from cram.plan.space import Optimizer
+from cram.train.activation_checkpointing import enable_activation_checkpointing
+from cram.train.accelerator import local_main_first
 from cram.train.budget import BudgetClock, StepClock, budget_triangle, parse_budget
+from cram.train.deepspeed_setup import check_optimizer_for_deepspeed, configure_deepspeed
 from cram.train.optim import build_adamw
-from cram.train.ramp import RAMP_END, BudgetRamp, Pace, full_accumulation, ramp_accumulation
+from cram.train.precision import enable_tf32
+from cram.train.ramp import BudgetRamp, Pace, full_accumulation, ramp_accumulation
 from cram.train.run import RecipeRun, RunOptions, check_run_options
-from cram.train.runtime import (
-    check_optimizer_for_deepspeed,
-    configure_deepspeed,
-    enable_activation_checkpointing,
-    enable_tf32,
-    local_main_first,
-)
-from cram.train.sampling import stream_loader
-from cram.train.state import TrainState
 from cram.train.throughput import crammed_bert_flops_per_token
 
-# The paper's model trains on the paper's data (cramming/config/data/pile-readymade.yaml); the small presets on the
-# offline corpus.
-DATA_DEFAULTS = {"crammed-bert": READYMADE, "small": "embedded", "tiny": "embedded"}
-# Batch sizes by preset: (target sequences per optimizer step, micro-batch per process). The paper's model keeps
-# the paper's target (cramming/config/train/bert-o4.yaml: batch_size 8192, reached at batch_size_ramp 0.60); for
-# the others it is the largest target: under a wall-clock budget their ramp aims at the largest batch that still
-# leaves --min-steps optimizer steps at the measured speed (`cram.train.ramp.BudgetRamp`).
-BATCH_DEFAULTS = {"crammed-bert": (8192, 128), "small": (1024, 64), "tiny": (256, 32)}
-BUDGET_FOLLOWING_PRESETS = ("small", "tiny")
-# On the CPU those two take micro-batches of 16 under a wall-clock budget: a step there costs about its sequences,
-# so a smaller micro-batch gives the ramp more, smaller steps to choose from at little or no cost in speed.
-# `python -m cram.bench.micro_batch` on the quiet 2-core CPU, one update per micro-batch, per sequence: small at 16
-# ran at 1.31x its speed at 64, tiny at 16 at 1.22x its speed at 32 (under another job's load: 0.78x and 0.89x).
-# A one-minute budget had held 13-18 steps of small's 64 (README: make bench-quality).
-CPU_BUDGET_MICRO_BATCH = 16
+Preset = Literal[tuple(CRAMMED_BERT_RECIPES)]
+PAPER = crammed_bert_recipe("crammed-bert")  # every preset trains with the paper's optimizer and schedule
+
+
+def per_preset(field: str) -> str:
+    """`crammed-bert 8192, small 1024, tiny 256`: one recipe value of the presets that have it, for a help line."""
+    return ", ".join(f"{name} {getattr(recipe, field)}" for name, recipe in CRAMMED_BERT_RECIPES.items()
+                     if getattr(recipe, field) is not None)
 
 
 @dataclass
 class TrainingOptions:
     """Options that change the result."""
 
-    preset: str = option("crammed-bert", f"model size: {', '.join(PRESETS)}")
-    budget: str = option("24h", "wall-clock budget, e.g. 24h, 90m, 30s (compilation counts, data preparation not)")
+    preset: Preset = option("crammed-bert", "model size")
+    budget: str = option(
+        f"{PAPER.budget_hours:g}h", "wall-clock budget, e.g. 24h, 90m, 30s (compilation counts, data preparation not)")
     max_steps: int | None = option(
         None, "a budget of N optimizer steps instead of the wall clock: the schedule's p is step / N")
     data: str | None = option(
         None, "a text file, a folder of them, a set made by prepare_data.py, 'embedded', 'pile-readymade' (the "
-        "paper's data, streamed from the Hub) or a local copy of it; unset means the preset's: pile-readymade for "
-        "crammed-bert, embedded for tiny and small")
+        f"paper's data, streamed from the Hub) or a local copy of it; unset means the preset's ({per_preset('data')})")
     target_batch_size: int | None = option(
-        None, "sequences per optimizer step once ramped up; unset means 8192 for crammed-bert, and for small and tiny "
-              "the largest batch (up to 1024 and 256) that leaves --min-steps steps in the budget")
+        None, "sequences per optimizer step once ramped up; unset means the preset's "
+              f"({per_preset('target_batch_size')}), or for small and tiny under a wall-clock budget the largest "
+              "batch up to it that leaves --min-steps steps")
     micro_batch_size: int | None = option(
-        None, "sequences per forward pass per process; unset means the preset's (128 for crammed-bert, 64 for small, "
-              "32 for tiny), or 16 for small and tiny on the CPU when their ramp follows the budget")
-    ramp_end: float = option(RAMP_END, "budget fraction at which the batch reaches its target size")
+        None, "sequences per forward pass per process; unset means the preset's "
+              f"({per_preset('micro_batch_size')}), or {per_preset('cpu_micro_batch_size')} on the CPU where the "
+              "ramp follows the budget")
+    ramp_end: float = option(PAPER.ramp_end, "budget fraction at which the batch reaches its target size")
     min_steps: int = option(
-        300, "small and tiny presets under a wall-clock budget: the ramp's target is the largest batch that still "
-             "leaves this many optimizer steps at the measured speed")
-    lr: float = option(1e-3, "peak learning rate")
-    beta1: float = option(0.9, "AdamW beta1")
-    beta2: float = option(0.98, "AdamW beta2")
-    eps: float = option(1e-12, "AdamW epsilon")
-    weight_decay: float = option(0.01, "AdamW weight decay (not on biases and norms)")
-    optimizer: str = option("adamw", "adamw, or adamw-8bit (bitsandbytes: 8-bit optimizer state, a quarter the memory)")
-    max_grad_norm: float = option(0.5, "gradient clipping by global norm (0 turns it off)")
+        crammed_bert_recipe("small").min_steps, "small and tiny presets under a wall-clock budget: the ramp's target "
+        "is the largest batch that still leaves this many optimizer steps at the measured speed")
+    lr: float = option(PAPER.lr, "peak learning rate")
+    beta1: float = option(PAPER.betas[0], "AdamW beta1")
+    beta2: float = option(PAPER.betas[1], "AdamW beta2")
+    eps: float = option(PAPER.eps, "AdamW epsilon")
+    weight_decay: float = option(PAPER.weight_decay, "AdamW weight decay (not on biases and norms)")
+    optimizer: Optimizer = option("adamw", "adamw-8bit: bitsandbytes' 8-bit optimizer state, a quarter the memory")
+    max_grad_norm: float = option(PAPER.max_grad_norm, "gradient clipping by global norm (0 turns it off)")
     seed: int = option(0, "random seed")
 
 
@@ -105,12 +97,10 @@ class ImplementationOptions(RunOptions):
 
 
 def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
-    parser = HfArgumentParser((TrainingOptions, ImplementationOptions), description=__doc__.split("\n")[0])
+    parser = OptionParser((TrainingOptions, ImplementationOptions), description=summary(__doc__))
     training, implementation = parse_strictly(parser)
-    if training.preset not in PRESETS:
-        raise UserError(f"unknown preset {training.preset!r}: choose one of {', '.join(PRESETS)}.")
     if training.data is None:
-        training.data = DATA_DEFAULTS[training.preset]
+        training.data = crammed_bert_recipe(training.preset).data
     if training.data not in ("embedded", READYMADE) and not Path(training.data).exists():
         raise UserError(
             f"the data path {training.data} does not exist: give an existing file or folder, 'embedded' or "
@@ -120,26 +110,24 @@ def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
         raise UserError(f"--max-steps {training.max_steps} is not a positive number of steps: give one, e.g. 1000.")
     if training.min_steps <= 0:
         raise UserError(f"--min-steps {training.min_steps} is not a positive number of steps: give one, e.g. 300.")
-    if training.optimizer not in ("adamw", "adamw-8bit"):
-        raise UserError(f"unknown optimizer {training.optimizer!r}: choose adamw or adamw-8bit.")
     check_run_options(implementation)
     if training.target_batch_size is None and not follows_budget(training):
-        training.target_batch_size = BATCH_DEFAULTS[training.preset][0]
+        training.target_batch_size = crammed_bert_recipe(training.preset).target_batch_size
     return training, implementation
 
 
 def default_micro_batch(training: TrainingOptions, device_type: str) -> int:
-    """The preset's micro-batch, or CPU_BUDGET_MICRO_BATCH where the ramp follows a budget on the CPU."""
-    micro = BATCH_DEFAULTS[training.preset][1]
+    """The preset's micro-batch, or its CPU one where the ramp follows a budget on the CPU."""
+    recipe = crammed_bert_recipe(training.preset)
     if device_type == "cpu" and follows_budget(training):
-        return min(micro, CPU_BUDGET_MICRO_BATCH)
-    return micro
+        return min(recipe.micro_batch_size, recipe.cpu_micro_batch_size)
+    return recipe.micro_batch_size
 
 
 def follows_budget(training: TrainingOptions) -> bool:
     """Whether the ramp's target is chosen from the budget: small and tiny presets under a wall-clock budget, when
     no --target-batch-size is given (a step budget fixes the number of steps, so the preset's target stands)."""
-    return training.preset in BUDGET_FOLLOWING_PRESETS and training.max_steps is None and \
+    return crammed_bert_recipe(training.preset).follows_budget and training.max_steps is None and \
         training.target_batch_size is None
 
 
@@ -186,7 +174,7 @@ def main() -> None:
     accelerator = run.accelerator
     if training.micro_batch_size is None:
         training.micro_batch_size = default_micro_batch(training, run.device_type)
-    largest_target = training.target_batch_size or BATCH_DEFAULTS[training.preset][0]
+    largest_target = training.target_batch_size or crammed_bert_recipe(training.preset).target_batch_size
     sequences_per_micro_batch = training.micro_batch_size * accelerator.num_processes
     # The largest target must be whole micro-batches on every process; a budget-following ramp aims at most there.
     full = full_accumulation(largest_target, training.micro_batch_size, accelerator.num_processes)
@@ -198,7 +186,7 @@ def main() -> None:
     enable_tf32()
 
     # Build: data (cached, not counted against the budget), model, optimizer.
-    config = CrammedBertConfig.from_preset(training.preset, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = crammed_bert_recipe(training.preset).model_config()
     data = load_data(training, config, implementation.cache_dir, accelerator)
     if run.is_main_process:
         print(describe_data(data))
@@ -209,11 +197,6 @@ def main() -> None:
             f"the data has {len(data.dataset)} blocks, fewer than one micro-batch of "
             f"{training.micro_batch_size}: give more text or a smaller --micro-batch-size."
         )
-    run.check_resume({  # what a resumed run must share with the run that wrote the checkpoint
-        "training": dataclasses.asdict(training),
-        "data": {"set": data.path.name, "blocks": len(data.dataset), "vocab_size": config.vocab_size},
-        "launch": {"distributed_type": str(accelerator.distributed_type), "num_processes": accelerator.num_processes},
-    })
     model = CrammedBertForMaskedLM(config)
     if implementation.activation_checkpointing:
         enable_activation_checkpointing(model)
@@ -221,7 +204,19 @@ def main() -> None:
         model, training.lr, (training.beta1, training.beta2), training.eps, training.weight_decay,
         eight_bit=training.optimizer == "adamw-8bit",
     )
-    model, optimizer, state = run.prepare(model, optimizer)
+    session = run.start(model, optimizer, training, facts={  # what a resumed run must share with the saved one
+        "training": dataclasses.asdict(training),
+        "data": {"set": data.path.name, "blocks": len(data.dataset), "vocab_size": config.vocab_size},
+        "launch": {"distributed_type": str(accelerator.distributed_type), "num_processes": accelerator.num_processes},
+    }, resolved={
+        "budget_seconds": budget_seconds,
+        "max_steps": training.max_steps,
+        "full_accumulation": full,
+        "ramp_target": "follows the budget" if follows_budget(training) else training.target_batch_size,
+        "vocab_size": config.vocab_size,
+        "data": str(data.path),
+    })
+    state = session.state
     collator = MaskedLMCollator.for_tokenizer(data.tokenizer, config.sparse_prediction, seed=training.seed)
     if isinstance(data, ReadymadeData):
         loader = readymade_loader(
@@ -244,28 +239,18 @@ def main() -> None:
         batches = report_passes_once_timed(batches, blocks=len(data.dataset),
                                            sequences_per_batch=sequences_per_micro_step,
                                            budget_seconds=budget_seconds, report=tqdm.write)  # above the bar
-    run.start_trackers(training, {
-        "budget_seconds": budget_seconds,
-        "max_steps": training.max_steps,
-        "full_accumulation": full,
-        "ramp_target": "follows the budget" if follows_budget(training) else training.target_batch_size,
-        "vocab_size": config.vocab_size,
-        "data": str(data.path),
-    }, state)
     flops_per_token = crammed_bert_flops_per_token(
         config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.vocab_size,
         config.max_position_embeddings, config.sparse_prediction,
     )
 
-    # Run: until the budget runs out or a scheduler's SIGTERM asks the run to stop.
-    def model_card(state: TrainState) -> ModelCardFacts:
-        return run.card(
-            state, model=f"crammed BERT ({training.preset})", config=config,
-            data=f"{training.data} ({len(data.dataset):,} blocks of {config.max_position_embeddings} tokens)",
-            budget=f"{training.max_steps} optimizer steps" if training.max_steps else training.budget,
-        )
-
-    checkpointer = run.checkpointer(state, model, data.tokenizer, model_card)
+    # Run: until the budget runs out or a scheduler's SIGTERM asks the run to stop; then report: checkpoint,
+    # summary, curves, model card, Hub.
+    card = dict(
+        model=f"crammed BERT ({training.preset})", config=config,
+        data=f"{training.data} ({len(data.dataset):,} blocks of {config.max_position_embeddings} tokens)",
+        budget=f"{training.max_steps} optimizer steps" if training.max_steps else training.budget,
+    )
     clock = StepClock(training.max_steps) if training.max_steps else BudgetClock(budget_seconds)
     if follows_budget(training):
         accumulation_at = BudgetRamp(state, full, sequences_per_micro_batch, budget_seconds, training.ramp_end,
@@ -273,15 +258,11 @@ def main() -> None:
     else:
         def accumulation_at(pace: Pace) -> int:
             return ramp_accumulation(pace.progress, full, training.ramp_end)
-    finished = run.train(
-        model, optimizer, batches, clock, state, checkpointer, peak_lr=training.lr, lr_shape=budget_triangle,
-        accumulation_at=accumulation_at,
-        max_grad_norm=training.max_grad_norm, flops_per_token=flops_per_token,
+    session.train(
+        batches, clock, tokenizer=data.tokenizer, card=card, peak_lr=training.lr, lr_shape=budget_triangle,
+        accumulation_at=accumulation_at, max_grad_norm=training.max_grad_norm, flops_per_token=flops_per_token,
+        blocks=len(data.dataset), load_hint=LOAD_HINT.format(checkpoint=str(run.output_dir / "final")),
     )
-
-    # Report: checkpoint, summary, curves, model card, Hub.
-    run.finish(state, finished, checkpointer, model, optimizer, data.tokenizer, model_card, blocks=len(data.dataset),
-               flops_per_token=flops_per_token, load_hint=LOAD_HINT.format(checkpoint=str(run.output_dir / "final")))
 
 
 if __name__ == "__main__":

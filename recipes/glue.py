@@ -19,16 +19,14 @@ from pathlib import Path
 # This folder holds recipes/cram.py, named like the package: keep it from shadowing `cram` on the import path.
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 
-from transformers import HfArgumentParser
-
-from cram.cli import parse_strictly
+from cram.cli import OptionParser, parse_strictly, summary
 from cram.errors import run_cli
 from cram.eval.glue import GlueOptions, GlueRunOptions, evaluate, prepare_evaluation
 
 
 def main() -> None:
     # Parse and check: a bad checkpoint, task, data folder or tokenizer stops here, before any training.
-    parser = HfArgumentParser((GlueOptions, GlueRunOptions), description=__doc__.split("\n")[0])
+    parser = OptionParser((GlueOptions, GlueRunOptions), description=summary(__doc__))
     options, run = parse_strictly(parser)
     evaluation = prepare_evaluation(options, run)
     # Build, run and report: one Trainer per task and seed, results cached as they finish.

@@ -17,20 +17,23 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 # recipes/cram.py would shadow the `cram` package: keep this folder off the import path.
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch
-from transformers import HfArgumentParser, PretrainedConfig
+from transformers import PretrainedConfig
 
-from cram.cli import option, parse_strictly
+from cram.cli import OptionParser, option, parse_strictly, summary
+from cram.devices import cpu_has_bf16_units
 from cram.errors import UserError, run_cli
 from cram.plan.cost import hardware_price, parse_target, predicted_step_seconds, project
 from cram.plan.emit import launch_command, recipe_flags, write_pair
 from cram.plan.memory import PRUNE_MARGIN, Shape, predicted_bytes
 from cram.plan.models import (
     CRAMMED_BERT_PRESETS,
+    MODEL_NAMES,
     check_model_name,
     flops_per_token,
     is_causal,
@@ -50,8 +53,8 @@ from cram.plan.sweep import (
     time_side_by_side,
 )
 from cram.plan.timing import matmul_flops
+from cram.train.accelerator import launch_device_type
 from cram.train.run import RunOptions, default_num_workers
-from cram.train.runtime import cpu_has_bf16_units, launch_device_type
 from cram.train.throughput import gpu_for_device_name, peak_flops_for_name
 
 # What `days` does not include yet: labelled in the table and the printed estimate.
@@ -68,10 +71,12 @@ RECIPE_CHECKPOINT_MINUTES = next(field.default for field in dataclasses.fields(R
 SIZE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
               "gb": 10**9, "tb": 10**12}
 
+ModelName = Literal[MODEL_NAMES]
+
 
 @dataclass
 class PlanOptions:
-    model: str = option("pythia-1b", "the model to plan for: pythia-14m … pythia-12b, crammed-bert[-small|-tiny]")
+    model: ModelName = option("pythia-1b", "the model to plan for")
     output_dir: str = option("runs/plan", "where the table, chart, cache and the winning config pair go")
     memory_limit: str | None = option(
         None, "memory per device, e.g. 2GiB: exceeding it counts as out of memory (unset: the GPU's memory; on "
@@ -124,7 +129,7 @@ def available_memory_bytes() -> int:
 
 
 def parse_options() -> PlanOptions:
-    (options,) = parse_strictly(HfArgumentParser(PlanOptions, description=__doc__.split("\n")[0]))
+    (options,) = parse_strictly(OptionParser(PlanOptions, description=summary(__doc__)))
     check_model_name(options.model)
     recipe = recipe_for(options.model)
     options.seq_len = options.seq_len or recipe.seq_len

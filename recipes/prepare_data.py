@@ -17,9 +17,8 @@ from pathlib import Path
 # Python puts this script's folder first on the import path, where recipes/cram.py would shadow the package.
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 
-from transformers import HfArgumentParser  # noqa: E402
 
-from cram.cli import parse_strictly  # noqa: E402
+from cram.cli import OptionParser, parse_strictly, summary  # noqa: E402
 from cram.data import DataOptions, prepare  # noqa: E402
 from cram.errors import run_cli  # noqa: E402
 
@@ -34,7 +33,7 @@ class RunOptions:
 
 def main() -> None:
     # Parse: sources may be given positionally or as --sources.
-    parser = HfArgumentParser((DataOptions, RunOptions))
+    parser = OptionParser((DataOptions, RunOptions), description=summary(__doc__))
     parser.add_argument("positional_sources", nargs="*", metavar="SOURCE", help="Files, folders, Hub names, embedded.")
     data_options, run_options, extra = parse_strictly(parser)
     if extra.positional_sources:

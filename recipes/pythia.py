@@ -25,17 +25,17 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 # This script's folder must not shadow the `cram` package on the import path (recipes/cram.py lives there).
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 
 from accelerate.utils import set_seed
-from transformers import HfArgumentParser
 
-from cram.cli import option, parse_strictly
+from cram.cli import OptionParser, option, parse_strictly, summary
 from cram.data.causal import causal_data_ready, causal_lm_batch, load_causal_data
+from cram.data.sampling import stream_loader
 from cram.errors import UserError, run_cli
-from cram.hub import ModelCardFacts
 from cram.models.pythia import (
     PYTHIA_SIZES,
     PythiaRecipe,
@@ -47,32 +47,29 @@ from cram.models.pythia import (
     pythia_config,
     pythia_recipe,
 )
+from cram.train.activation_checkpointing import enable_activation_checkpointing
+from cram.train.accelerator import launch_device_type, local_main_first
 from cram.train.budget import StepClock
+from cram.train.checkpoint import read_checkpoint
+from cram.train.deepspeed_setup import configure_deepspeed
+from cram.train.loss_scaling import fp16_loss_scaling
 from cram.train.memory import check_model_fits
 from cram.train.optim import build_adamw
+from cram.train.precision import Precision, enable_tf32, gpu_has_bf16_units
 from cram.train.ramp import full_accumulation
 from cram.train.revisions import parse_revision_steps
 from cram.train.run import RecipeRun, RunOptions, check_run_options
-from cram.train.runtime import (
-    PRECISIONS,
-    configure_deepspeed,
-    enable_activation_checkpointing,
-    enable_tf32,
-    fp16_loss_scaling,
-    gpu_has_bf16_units,
-    launch_device_type,
-    local_main_first,
-)
-from cram.train.sampling import stream_loader
-from cram.train.state import TrainState
 from cram.train.throughput import gpt_neox_flops_per_token
+
+PythiaSizeName = Literal[tuple(PYTHIA_SIZES)]
+PythiaPrecision = Literal["released", Precision]
 
 
 @dataclass
 class TrainingOptions:
     """Options that change the result; unset ones take the published recipe's value."""
 
-    size: str = option("pythia-1b", f"model size: {', '.join(PYTHIA_SIZES)}")
+    size: PythiaSizeName = option("pythia-1b", "model size")
     data: str | None = option(
         None, "a Megatron .bin/.idx prefix (e.g. the pre-shuffled Pile), a set made by prepare_data.py, "
               "pre-tokenized input_ids, or raw text files")
@@ -103,10 +100,9 @@ class ImplementationOptions(RunOptions):
 
     output_dir: str = option(
         "runs/pythia", "where the run writes: the model lands in OUTPUT_DIR/final, training states in checkpoints/")
-    precision: str = option(
-        "released", "released (fp16 with loss scaling from 2^12; bf16 for pythia-1b, where pythia-1b-deduped "
-                    "trained in fp16; the nearest the device can do otherwise, said in the log), auto, bf16, fp16 "
-                    "or fp32")
+    precision: PythiaPrecision = option(
+        "released", "released: fp16 with loss scaling from 2^12 (bf16 for pythia-1b, where pythia-1b-deduped trained "
+                    "in fp16), or the nearest the device can do, said in the log")
     push_checkpoints: bool = option(
         False, "also push each revision (--revision-steps) to the Hub, as the revision stepN")
     revision_steps: str = option(
@@ -118,7 +114,7 @@ class ImplementationOptions(RunOptions):
 
 
 def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
-    parser = HfArgumentParser((TrainingOptions, ImplementationOptions), description=__doc__.split("\n")[0])
+    parser = OptionParser((TrainingOptions, ImplementationOptions), description=summary(__doc__))
     training, implementation = parse_strictly(parser)
     check_size(training.size)
     if training.data is None:
@@ -135,9 +131,6 @@ def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
         raise UserError(f"--stop-at-step {training.stop_at_step} is past the schedule's last step {schedule}: give a "
                         f"step up to {schedule}{' or a longer --max-steps' if training.max_steps else ''}.")
     check_run_options(implementation)
-    if implementation.precision not in ("released", *PRECISIONS):
-        raise UserError(f"unknown precision {implementation.precision!r}: choose released or one of "
-                        f"{', '.join(PRECISIONS)}.")
     return training, implementation
 
 
@@ -210,27 +203,20 @@ def main() -> None:
                             ready=lambda: causal_data_ready(*data_arguments))
     if run.is_main_process:
         print(f"data: {data.description}")
-    run.check_resume({  # what a resumed run must share with the run that wrote the checkpoint
-        # --stop-at-step may differ: a run stopped early goes on to a later step of the same schedule.
-        "training": {key: value for key, value in dataclasses.asdict(training).items() if key != "stop_at_step"},
-        "data": {"set": data.name, "sequences": len(data.sequences)},
-        "launch": {"distributed_type": str(accelerator.distributed_type), "num_processes": accelerator.num_processes},
-    })
+    if run.resume_from is not None and (resumed_at := read_checkpoint(run.resume_from)[0].optimizer_steps) > stop_at:
+        raise UserError(f"{run.resume_from} is at step {resumed_at}, past --stop-at-step {stop_at}: give a later step "
+                        "to go on to, or start a new run in another --output-dir.")
     plugin = accelerator.state.deepspeed_plugin  # zero.Init only where the launch config asks for it
     model = build_pythia_model(training.size, config, zero_init=plugin is not None and plugin.is_zero3_init_enabled())
     if implementation.activation_checkpointing:
         enable_activation_checkpointing(model)
     optimizer = build_adamw(model, peak_lr, recipe.betas, recipe.eps, recipe.weight_decay)
-    model, optimizer, state = run.prepare(model, optimizer)
-    if state.optimizer_steps > stop_at:
-        raise UserError(f"{run.resume_from} is at step {state.optimizer_steps}, past --stop-at-step {stop_at}: give a "
-                        "later step to go on to, or start a new run in another --output-dir.")
-    batches = iter(stream_loader(
-        data.sequences, causal_lm_batch, start=state.sequences, micro_batch_size=training.micro_batch_size,
-        process_index=accelerator.process_index, num_processes=accelerator.num_processes,
-        num_workers=run.num_workers, pin_memory=run.device_type == "cuda",
-    ))
-    run.start_trackers(training, {
+    session = run.start(model, optimizer, training, facts={  # what a resumed run must share with the saved one
+        # --stop-at-step may differ: a run stopped early goes on to a later step of the same schedule.
+        "training": {key: value for key, value in dataclasses.asdict(training).items() if key != "stop_at_step"},
+        "data": {"set": data.name, "sequences": len(data.sequences)},
+        "launch": {"distributed_type": str(accelerator.distributed_type), "num_processes": accelerator.num_processes},
+    }, resolved={
         "max_steps": max_steps, "stop_at_step": stop_at, "seq_len": seq_len, "global_batch_size": global_batch,
         "peak_lr": peak_lr,
         "accumulation": accumulation, "warmup_steps": recipe.warmup_fraction * max_steps,
@@ -238,32 +224,31 @@ def main() -> None:
         "released_precision": recipe.precision, "precision_departure": departure,
         "deepspeed_fp16": (accelerator.state.deepspeed_plugin.deepspeed_config.get("fp16")
                            if accelerator.state.deepspeed_plugin is not None else None),
-    }, state)
+    })
+    batches = iter(stream_loader(
+        data.sequences, causal_lm_batch, start=session.state.sequences, micro_batch_size=training.micro_batch_size,
+        process_index=accelerator.process_index, num_processes=accelerator.num_processes,
+        num_workers=run.num_workers, pin_memory=run.device_type == "cuda",
+    ))
     flops_per_token = gpt_neox_flops_per_token(
         config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.vocab_size, seq_len)
 
-    # Run: the step-based schedule, keeping the model at Pythia's checkpoint steps up to the stop.
-    def model_card(state: TrainState) -> ModelCardFacts:
-        return run.card(
-            state, model=f"GPT-NeoX ({training.size})", config=config, auto_class="AutoModelForCausalLM",
-            data=f"{training.data} ({len(data.sequences):,} sequences of {seq_len + 1} tokens)",
-            budget=describe_schedule(max_steps, stop_at, recipe.train_steps, global_batch, seq_len),
-            trust_remote_code=False,
-        )
-
-    go_on_from = [stop_at] if training.stop_at_step else []  # a run stopped early keeps its state to continue
-    checkpointer = run.checkpointer(state, model, data.tokenizer, model_card, revisions_at=revision_steps,
-                                    states_at=go_on_from)
-    finished = run.train(
-        model, optimizer, batches, StepClock(max_steps, stop_at=stop_at), state, checkpointer, peak_lr=peak_lr,
-        lr_shape=recipe.lr_shape(max_steps),
-        accumulation_at=lambda progress: accumulation, max_grad_norm=recipe.max_grad_norm,
-        flops_per_token=flops_per_token,
+    # Run: the step-based schedule, keeping the model at Pythia's checkpoint steps up to the stop; then report:
+    # checkpoint, summary, curves, model card, Hub.
+    card = dict(
+        model=f"GPT-NeoX ({training.size})", config=config, auto_class="AutoModelForCausalLM",
+        data=f"{training.data} ({len(data.sequences):,} sequences of {seq_len + 1} tokens)",
+        budget=describe_schedule(max_steps, stop_at, recipe.train_steps, global_batch, seq_len),
+        trust_remote_code=False,
     )
-
-    # Report: checkpoint, summary, curves, model card, Hub.
-    run.finish(state, finished, checkpointer, model, optimizer, data.tokenizer, model_card, blocks=len(data.sequences),
-               flops_per_token=flops_per_token, load_hint=LOAD_HINT.format(checkpoint=str(run.output_dir / "final")))
+    go_on_from = [stop_at] if training.stop_at_step else []  # a run stopped early keeps its state to continue
+    session.train(
+        batches, StepClock(max_steps, stop_at=stop_at), tokenizer=data.tokenizer, card=card, peak_lr=peak_lr,
+        lr_shape=recipe.lr_shape(max_steps), accumulation_at=lambda progress: accumulation,
+        max_grad_norm=recipe.max_grad_norm, flops_per_token=flops_per_token, blocks=len(data.sequences),
+        load_hint=LOAD_HINT.format(checkpoint=str(run.output_dir / "final")), revisions_at=revision_steps,
+        states_at=go_on_from,
+    )
 
 
 LOAD_HINT = """    from transformers import AutoModelForCausalLM, AutoTokenizer

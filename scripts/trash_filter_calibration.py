@@ -1,4 +1,4 @@
-"""Set the trash filter's reference measure beside WordPiece vocabularies trained on the same text (README, Data).
+"""Set the trash filter's reference measure beside WordPiece vocabularies trained on the same text (docs/data.md).
 
     python scripts/trash_filter_calibration.py [--changelogs /usr/share/doc] [--documents 4000]
 

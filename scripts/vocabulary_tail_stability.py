@@ -1,4 +1,4 @@
-"""How stable the tail of a trained WordPiece vocabulary is at a given tokenizer sample size (README, Data).
+"""How stable the tail of a trained WordPiece vocabulary is at a given tokenizer sample size (docs/data.md).
 
     python scripts/vocabulary_tail_stability.py [--changelogs /usr/share/doc] [--sizes 1e6,3e6,6e6,9e6]
 

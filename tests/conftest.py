@@ -13,9 +13,10 @@ import launching
 import pytest
 import torch
 
+import cram.train.precision
 from cram.data import embedded_corpus_path
-from cram.train import runtime
-from cram.train.runtime import cpu_has_bf16_units, resolve_precision
+from cram.devices import cpu_has_bf16_units
+from cram.train.precision import resolve_precision
 
 # One thread per process, in the workers and in every process they start (recipes read CRAM_CPU_THREADS, the rest
 # OMP_NUM_THREADS): `make test` runs two workers, each often beside a launch of its own, on as few as 2 cores, where
@@ -37,7 +38,7 @@ def cpu_bf16_units(request, monkeypatch) -> bool:
     """Both answers to "does this CPU have bf16 units?", for in-process tests whose path `--precision auto` decides:
     CI runs on whichever CPU the session had, so both must pass on any machine (torch emulates bf16 where the
     units are missing)."""
-    monkeypatch.setattr(runtime, "cpu_has_bf16_units", lambda: request.param)
+    monkeypatch.setattr(cram.train.precision, "cpu_has_bf16_units", lambda: request.param)
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
     return request.param
 

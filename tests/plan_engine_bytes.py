@@ -26,8 +26,8 @@ from cram.plan.emit import write_pair
 from cram.plan.memory import Shape, state_parts
 from cram.plan.models import build_model, layer_class_name, model_config
 from cram.plan.space import Candidate
+from cram.train.deepspeed_setup import configure_deepspeed, prepare_deepspeed_on_the_cpu
 from cram.train.optim import build_adamw
-from cram.train.runtime import configure_deepspeed, prepare_deepspeed_on_the_cpu
 
 MODEL = "pythia-14m"
 VOCAB = 8192  # a small vocabulary: the embeddings stay one layer among others

@@ -20,13 +20,13 @@ from launching import load_recipe
 
 import cram.train.loop as loop
 from cram.data.collator import MaskedLMCollator
+from cram.data.sampling import stream_loader
 from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
 from cram.train.budget import BudgetClock, MicroBatchPace, StepClock, WallClock, budget_triangle
 from cram.train.checkpoint import Checkpointer, load_checkpoint
 from cram.train.optim import build_adamw
 from cram.train.preemption import Preemption
 from cram.train.ramp import BudgetRamp, Pace, micro_batches_that_fit, steps_in_budget
-from cram.train.sampling import stream_loader
 from cram.train.state import TrainState
 
 MICRO_BATCH = 4

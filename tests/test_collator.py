@@ -4,7 +4,7 @@ import datasets
 import torch
 
 from cram.data.collator import MaskedLMCollator, hashed_uniform
-from cram.train.sampling import stream_loader
+from cram.data.sampling import stream_loader
 
 SPECIALS = [0, 1, 2, 3, 4]
 MASK_ID = 4
@@ -46,7 +46,7 @@ def test_special_tokens_are_not_masked_while_ordinary_ones_remain():
     assert (batch["labels"][:, ::4] == -100).all()
 
 
-# Training masks through `hashed_uniform`, keyed by each sequence's serial (see cram.train.sampling): the tests
+# Training masks through `hashed_uniform`, keyed by each sequence's serial (see cram.data.sampling): the tests
 # below run that path, as the data loader of a run calls it.
 
 

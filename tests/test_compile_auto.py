@@ -5,11 +5,10 @@ import dataclasses
 import pytest
 import torch
 
+import cram.train.accelerator
 from cram.errors import UserError
-from cram.train import runtime
+from cram.train.compilation import compile_reason, resolve_compile
 from cram.train.run import RecipeRun, RunOptions
-from cram.train.runtime import compile_reason, resolve_compile
-from cram.train.state import TrainState
 
 
 def test_auto_leaves_the_cpu_eager_and_says_why():
@@ -42,9 +41,10 @@ class Training:
 
 
 def test_the_resolved_options_record_the_choice_and_its_reason(tmp_path, monkeypatch):
-    monkeypatch.setattr(runtime, "launch_device_type", lambda: "cpu")
+    monkeypatch.setattr(cram.train.accelerator, "launch_device_type", lambda: "cpu")
     run = RecipeRun("cram", RunOptions(output_dir=str(tmp_path), precision="fp32", compile="auto"))
-    run.start_trackers(Training(), {}, TrainState())
-    resolved = run.resolved["resolved"]
+    model = torch.nn.Linear(2, 2)
+    session = run.start(model, torch.optim.SGD(model.parameters(), lr=0.1), Training(), facts={}, resolved={})
+    resolved = session.resolved["resolved"]
     assert resolved["compile"] is False
     assert resolved["compile_reason"] == compile_reason("auto", "cpu")

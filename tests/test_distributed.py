@@ -39,10 +39,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForMaskedLM
 
 import cram  # noqa: F401 - registers the Auto classes
+from cram.devices import cpu_has_bf16_units
 from cram.errors import UserError
 from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
 from cram.train.checkpoint import STATE_FILE, complete_checkpoints
-from cram.train.runtime import configure_deepspeed, cpu_has_bf16_units
+from cram.train.deepspeed_setup import configure_deepspeed
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "cram.py"

@@ -16,9 +16,10 @@ from launching import run
 
 from cram.errors import UserError
 from cram.models.pythia import pythia_recipe
+from cram.train.accelerator import build_accelerator
 from cram.train.budget import StepClock
 from cram.train.loop import train
-from cram.train.runtime import HysteresisGradScaler, build_accelerator, hysteresis_scaler_like
+from cram.train.loss_scaling import HysteresisGradScaler, hysteresis_scaler_like
 from cram.train.state import TrainState
 
 
@@ -136,7 +137,7 @@ import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 from test_fp16_overflow import OVERFLOWS, drive_scaler
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from cram.train.runtime import HysteresisLossScaling, hysteresis_scaler_like
+from cram.train.loss_scaling import HysteresisLossScaling, hysteresis_scaler_like
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
 scaler = hysteresis_scaler_like(ShardedGradScaler("cpu"), 4096.0, 1000, 2, 1.0)
 assert isinstance(scaler, ShardedGradScaler) and isinstance(scaler, HysteresisLossScaling)

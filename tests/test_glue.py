@@ -276,7 +276,8 @@ def test_an_output_folder_of_other_options_is_refused(glue_run, glue_dir, tmp_pa
 
 @pytest.mark.slow
 def test_a_default_run_fine_tunes_with_the_glue_sane_protocol(crammed_checkpoint, glue_dir, tmp_path, monkeypatch):
-    """The Trainer, optimizer, schedule and model a run with no protocol option uses (REFERENCE.md: GLUE-sane)."""
+    """The Trainer, optimizer, schedule and model a run with no protocol option uses
+    (cramming/config/eval/GLUE_sane.yaml)."""
     checkpoint = shutil.copytree(crammed_checkpoint, tmp_path / "final")
     trainers = []
 

@@ -12,12 +12,10 @@ import torch
 
 from cram.errors import UserError
 from cram.plan.cost import parse_target
+from cram.train.compilation import resolve_compile
+from cram.train.deepspeed_setup import check_optimizer_for_deepspeed
 from cram.train.loop import Meter
-from cram.train.runtime import (
-    check_optimizer_for_deepspeed,
-    resolve_compile,
-    resolve_precision,
-)
+from cram.train.precision import resolve_precision
 from cram.train.state import TrainState
 from cram.train.throughput import GPUS, gpu_for_device_name, peak_flops, peak_flops_for_name
 

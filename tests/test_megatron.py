@@ -16,8 +16,8 @@ from cram.data.megatron import (
     megatron_sequences,
     write_megatron,
 )
+from cram.data.sampling import StreamSlices
 from cram.errors import UserError
-from cram.train.sampling import StreamSlices
 
 
 @pytest.fixture

@@ -25,9 +25,9 @@ from cram.plan.space import Candidate
 from cram.plan.sweep import add_estimates
 from cram.plan.timing import MemoryGauge
 from cram.train import checkpoint as checkpoint_module
+from cram.train.accelerator import build_accelerator
 from cram.train.ramp import Pace, steps_in_budget
 from cram.train.run import ScheduledCheckpointer
-from cram.train.runtime import build_accelerator
 from cram.train.state import TrainState
 
 DAY = 86_400.0
@@ -80,7 +80,7 @@ def test_saves_counted_as_the_engine_schedules_them(monkeypatch, steps, step_sec
     scheduled = [step for step in recipe_for("pythia-160m").checkpoint_steps if step <= steps]
     checkpointer = CountingCheckpointer(scheduled, every_seconds, save_seconds=3.0, clock=clock)
     state = TrainState()
-    checkpointer.save(state)  # step 0, before the loop (RecipeRun.checkpointer)
+    checkpointer.save(state)  # step 0, before the loop (RunSession.train)
     while True:  # as cram.train.loop.train asks before every step
         if checkpointer.due(state, checkpointer.time_due()):
             checkpointer.save(state)

@@ -135,7 +135,8 @@ def test_an_unknown_model_gets_one_sentence_and_exit_status_2(tmp_path):
     completed = run(command, timeout=300)
     assert completed.returncode == 2
     lines = completed.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: unknown model 'pythia-7b'"), completed.stderr[-2000:]
+    assert len(lines) == 1, completed.stderr[-2000:]
+    assert lines[0].startswith("error: argument --model: invalid choice: 'pythia-7b'"), lines[0]
     assert not (tmp_path / "out").exists()
 
 

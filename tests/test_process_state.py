@@ -18,12 +18,10 @@ import cram  # noqa: F401  (importing the package is what quiets bitsandbytes)
 from cram.data.megatron import tokenized_documents, write_megatron
 from cram.data.tokenizer import train_byte_level_bpe
 from cram.errors import UserError
-from cram.train.runtime import (
-    build_accelerator,
-    shut_down,
+from cram.train.accelerator import build_accelerator, shut_down, use_cpu_cores
+from cram.train.deepspeed_setup import (
     skip_deepspeed_shared_memory_op,
     tell_deepspeed_the_local_processes,
-    use_cpu_cores,
     wait_for_each_all_gather,
 )
 

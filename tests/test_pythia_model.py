@@ -197,7 +197,7 @@ def test_the_planner_builds_the_released_init():
 ZERO3_BUILD = textwrap.dedent("""
     import os, sys, torch, deepspeed
     from transformers.integrations import HfDeepSpeedConfig
-    from cram.train.runtime import skip_deepspeed_shared_memory_op
+    from cram.train.deepspeed_setup import skip_deepspeed_shared_memory_op
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     skip_deepspeed_shared_memory_op()  # as the recipes' DeepSpeed launches on the CPU do
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)

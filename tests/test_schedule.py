@@ -7,13 +7,14 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from cram.data.collator import MaskedLMCollator
+from cram.data.sampling import stream_loader
 from cram.errors import UserError
 from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
+from cram.models.crammed_bert_recipe import RAMP_END
 from cram.train.budget import BudgetClock, StepClock, budget_triangle, parse_budget
 from cram.train.loop import train
 from cram.train.optim import build_adamw
 from cram.train.ramp import full_accumulation, ramp_accumulation
-from cram.train.sampling import stream_loader
 from cram.train.state import TrainState
 
 
@@ -43,12 +44,12 @@ def test_budget_triangle_peaks_at_three_quarters():
 def test_ramp_reaches_the_full_batch_at_sixty_percent_and_grows_monotonically():
     full = full_accumulation(8192, 128)
     assert full == 64
-    steps = [ramp_accumulation(step / 100, full) for step in range(101)]
+    steps = [ramp_accumulation(step / 100, full, RAMP_END) for step in range(101)]
     assert steps[0] == 1
     assert steps[30] == 32
     assert steps[60] == 64 and steps[-1] == 64
     assert all(a <= b for a, b in zip(steps, steps[1:], strict=False))
-    assert ramp_accumulation(0.59, full) < 64
+    assert ramp_accumulation(0.59, full, RAMP_END) < 64
 
 
 def test_accumulation_accounts_for_processes():

@@ -10,15 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import cram.versions
+from cram.devices import cpu_has_bf16_units
 from cram.errors import UserError
-from cram.train import runtime
-from cram.train.runtime import (
-    NEWEST_TESTED,
-    check_installed_versions,
-    cpu_has_bf16_units,
-    resolve_precision,
-    warn_about_untested_versions,
-)
+from cram.train.precision import resolve_precision
+from cram.versions import NEWEST_TESTED, check_installed_versions, warn_about_untested_versions
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,7 +41,7 @@ def installed_cram(tmp_path, monkeypatch) -> None:
     (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: cram\nVersion: 0.1.0\n" + "\n".join(lines) + "\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
-    monkeypatch.setattr(runtime, "_warned_untested", set())
+    monkeypatch.setattr(cram.versions, "_warned_untested", set())
 
 
 def test_the_installed_metadata_is_what_the_check_reads(installed_cram):
@@ -89,7 +85,7 @@ def test_the_launch_configs_deepspeed_flag_decides_which_floors_apply(installed_
 
 
 def test_versions_older_than_the_newest_tested_get_one_note_once(monkeypatch, capsys):
-    monkeypatch.setattr(runtime, "_warned_untested", set())
+    monkeypatch.setattr(cram.versions, "_warned_untested", set())
     monkeypatch.delenv("RANK", raising=False)
     gpu_image = installed_versions(**{**NEWEST_TESTED, "torch": "2.11.0+cu130", "transformers": "5.17.0"})
     warn_about_untested_versions(gpu_image)
@@ -98,7 +94,7 @@ def test_versions_older_than_the_newest_tested_get_one_note_once(monkeypatch, ca
     assert notes[1].startswith(f"note: transformers 5.17.0 is older than {NEWEST_TESTED['transformers']}")
     warn_about_untested_versions(gpu_image)
     assert capsys.readouterr().err == ""
-    monkeypatch.setattr(runtime, "_warned_untested", set())
+    monkeypatch.setattr(cram.versions, "_warned_untested", set())
     monkeypatch.setenv("RANK", "1")  # the other ranks of a launch stay quiet
     warn_about_untested_versions(gpu_image)
     assert capsys.readouterr().err == ""

@@ -33,7 +33,9 @@ from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
 from cram.models.pythia import pythia_config
 from cram.plan.sweep import free_port
 from cram.plan.timing import synchronize
-from cram.train.runtime import COMPILE_CHOICES, prepare_deepspeed_on_the_cpu, resolve_compile, resolve_precision
+from cram.train.compilation import COMPILE_CHOICES, resolve_compile
+from cram.train.deepspeed_setup import prepare_deepspeed_on_the_cpu
+from cram.train.precision import resolve_precision
 from cram.train.throughput import crammed_bert_flops_per_token, gpt_neox_flops_per_token, mfu, peak_flops
 
 TOY_VOCAB = 512

@@ -2,7 +2,7 @@
 
     python -m cram.bench.plan [--models crammed-bert-tiny,crammed-bert-small,pythia-14m] [--processes 1,2]
 
-Three model sizes (1.4 M, 4.7 M and 14 M parameters: sizes a loaded 2-core CPU steps in seconds), each on one
+Three model sizes (1.4 M, 4.7 M and 14 M parameters: sizes a small CPU steps in seconds), each on one
 and on two processes. For each, `recipes/plan.py` sweeps one candidate (plain data parallel on one process, ZeRO-1
 on two) at a smoke shape and then, with --verify, launches the emitted winner afresh for as many timed steps:
 the prediction error is (predicted − observed) ÷ observed median step time. The wall time is the planner's

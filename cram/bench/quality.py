@@ -156,7 +156,7 @@ def train_baseline(work: Path, lr: float, minutes: float, preset: str, seed: int
 
     from cram.data.prepare import load_prepared
     from cram.models.crammed_bert import PRESETS
-    from cram.train.runtime import resolve_precision
+    from cram.train.precision import resolve_precision
 
     prepared = load_prepared(work / "prepared")
     shape = PRESETS[preset]

@@ -155,8 +155,8 @@ def make_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches:
 
 
 def default_precisions(device: torch.device) -> list[str]:
-    """fp32, and bf16 where the device computes in it: elsewhere torch emulates bf16 matmuls, and a 16 × 768 bf16
-    step on a 2-core AVX2 CPU took over 8 minutes (against 21 s in fp32), which measures the emulation."""
+    """fp32, and bf16 where the device computes in it: elsewhere torch emulates bf16 matmuls, many times slower
+    than fp32, so a bf16 step would time the emulation rather than the model."""
     if device.type == "cuda" or cpu_has_bf16_units():
         return ["fp32", "bf16"]
     print("bf16 left out: this CPU has no bf16 units (AMX or AVX512-BF16), so torch would emulate it; "

@@ -30,8 +30,8 @@ from cram.data.megatron import (
 )
 from cram.data.options import DataOptions
 from cram.data.prepare import is_prepared, load_prepared, prepare, prepared_path
+from cram.data.sampling import SerialBlocks
 from cram.errors import UserError
-from cram.train.sampling import SerialBlocks
 
 
 @dataclass
@@ -121,7 +121,7 @@ def load_causal_data(
     if block != length:
         raise UserError(
             f"{prepared.path} holds blocks of {block} tokens, not seq_len + 1 = {length}: pass --seq-len {block - 1}, "
-            f"or prepare the set again with --seq_len {length}."
+            f"or prepare the set again with --seq-len {length}."
         )
     check_vocabulary(prepared.tokenizer, vocab_size)
     description = f"{len(prepared.dataset):,} sequences of {length} tokens from {prepared.path}"

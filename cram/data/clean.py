@@ -51,7 +51,7 @@ class WeightSampler:
 # The original (cramming/data/pretraining_preparation.py: raw_dataset_preprocessing, remove_trash) counts the tokens of
 # ALBERT's fixed 30k tokenizer, not of the tokenizer being trained; a pretrained tokenizer is off limits here (and would
 # need the network), and the tokenizer being trained cannot judge the documents it is trained on (it learns whatever
-# it is fed, so the same document passed at one --vocab_size and failed at another). The pieces need no vocabulary:
+# it is fed, so the same document passed at one --vocab-size and failed at another). The pieces need no vocabulary:
 # a run of letters costs one piece per 10 letters (nearly every English word is one token of a 30k vocabulary), a run
 # of digits one per 3 digits, a run of any other non-space characters (punctuation, symbols, other scripts) one per 3.
 # English prose measures about 0.2 pieces per character; base64, hex dumps and tables of numbers 0.3 and more.

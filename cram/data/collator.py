@@ -1,6 +1,6 @@
 """The MLM collator: exactly `mask_fraction` of each sequence is masked, 80 % [MASK] / 10 % random / 10 % kept.
 
-Given each sequence's serial number (its position in the run's stream of sequences, see `cram.train.sampling`),
+Given each sequence's serial number (its position in the run's stream of sequences, see `cram.data.sampling`),
 the masks are a pure function of (seed, serial): a resumed run, a run split over more processes, or a data loader
 with workers that prefetch all mask a sequence exactly as the uninterrupted single-process run did.
 """

@@ -148,7 +148,7 @@ class MegatronTokens:
 
 
 class MegatronSequences(Dataset):
-    """Runs of `length` tokens addressed by serial, as `cram.train.sampling.stream_loader` reads them: item s is
+    """Runs of `length` tokens addressed by serial, as `cram.data.sampling.stream_loader` reads them: item s is
     run s mod N (N runs in the stream), so the sampler's serial i is training sequence i."""
 
     def __init__(self, tokens: MegatronTokens, length: int):
@@ -228,8 +228,8 @@ def gpt_neox_index_ready(prefix: str | Path, seq_length: int, num_samples: int) 
 
 def gpt_neox_epochs(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
     """The fewest epochs holding `num_samples` samples: gpt2_dataset.py's `_num_epochs`, which counts up one epoch at
-    a time while (epochs · tokens_per_epoch - 1) // seq_length < num_samples, in closed form (its loop took a minute
-    for a small file read for a whole Pythia run: two million epochs)."""
+    a time while (epochs · tokens_per_epoch - 1) // seq_length < num_samples, in closed form: for a small file read
+    for a whole Pythia run that loop would count millions of epochs one by one."""
     return max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
 
 

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from cram.errors import UserError
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 BPE_SPECIAL_TOKENS = ["<|endoftext|>", "<|padding|>"]  # GPT-NeoX-20B's ids 0 and 1
-TOKENIZER_MODELS = ("wordpiece", "bpe")
+TokenizerModel = Literal["wordpiece", "bpe"]
+TOKENIZER_MODELS: tuple[str, ...] = get_args(TokenizerModel)
 # Byte-level BPE starts from all 256 bytes, plus its special tokens.
 MIN_BPE_VOCAB_SIZE = 256 + len(BPE_SPECIAL_TOKENS)
-ORDERINGS = ("curriculum", "random", "none")
+Ordering = Literal["curriculum", "random", "none"]
+ORDERINGS: tuple[str, ...] = get_args(Ordering)
 # WordPiece needs the special tokens plus at least the corpus's characters; below this it cannot learn words.
 MIN_VOCAB_SIZE = 100
 
@@ -25,20 +28,20 @@ class DataOptions:
                   "scale a source's share: 0.3 keeps a random 30%% of its documents, 2 repeats each twice."},
     )
     vocab_size: int = field(default=32768, metadata={"help": "Vocabulary size to train, special tokens included."})
-    tokenizer_model: str = field(
+    tokenizer_model: TokenizerModel = field(
         default="wordpiece",
-        metadata={"help": "Tokenizer trained on raw text: 'wordpiece' (BERT's) or 'bpe' (byte-level, GPT-NeoX's)."},
+        metadata={"help": "Tokenizer trained on raw text: wordpiece (BERT's) or bpe (byte-level, GPT-NeoX's)."},
     )
     seq_len: int = field(default=128, metadata={"help": "Tokens per packed block."})
     trash_cutoff: float = field(
         default=0.25,
         metadata={"help": "Keep a document only if its reference pieces < cutoff x its characters (0 keeps "
-                  "everything); the pieces need no vocabulary, so the choice is the same at every --vocab_size "
+                  "everything); the pieces need no vocabulary, so the choice is the same at every --vocab-size "
                   "(cramming/config/data/the-pile.yaml: trash_cutoff 0.25)."},
     )
     dedup: bool = field(default=False, metadata={"help": "Drop exact duplicate documents."})
     min_chars: int = field(default=50, metadata={"help": "Drop documents shorter than this many characters."})
-    ordering: str = field(
+    ordering: Ordering = field(
         default="curriculum",
         metadata={"help": "Block order: 'curriculum' (most sentence ends first, ties at random, as in cramming), "
                   "'random', or 'none' (documents and blocks in source order; the others shuffle the documents "
@@ -79,7 +82,7 @@ class DataOptions:
         if self.vocab_size < MIN_VOCAB_SIZE:
             raise UserError(
                 f"vocab_size {self.vocab_size} leaves too little room beside the {len(SPECIAL_TOKENS)} special tokens "
-                f"and the alphabet; pass --vocab_size of at least {MIN_VOCAB_SIZE} (32768 is the recipe's)"
+                f"and the alphabet; pass --vocab-size of at least {MIN_VOCAB_SIZE} (32768 is the recipe's)"
             )
         if self.tokenizer_model not in TOKENIZER_MODELS:
             raise UserError(
@@ -87,12 +90,12 @@ class DataOptions:
         if self.tokenizer_model == "bpe" and self.vocab_size < MIN_BPE_VOCAB_SIZE:
             raise UserError(
                 f"vocab_size {self.vocab_size} is smaller than byte-level BPE's 256 bytes and "
-                f"{len(BPE_SPECIAL_TOKENS)} special tokens; pass --vocab_size of at least {MIN_BPE_VOCAB_SIZE}")
+                f"{len(BPE_SPECIAL_TOKENS)} special tokens; pass --vocab-size of at least {MIN_BPE_VOCAB_SIZE}")
         if self.seq_len < 2:
-            raise UserError(f"seq_len {self.seq_len} is too short; pass --seq_len of at least 2 (128 is the recipe's)")
+            raise UserError(f"seq_len {self.seq_len} is too short; pass --seq-len of at least 2 (128 is the recipe's)")
         if self.ordering not in ORDERINGS:
             raise UserError(f"unknown ordering {self.ordering!r}; pass --ordering as one of {', '.join(ORDERINGS)}")
         if self.trash_cutoff < 0:
             raise UserError(f"trash_cutoff {self.trash_cutoff} is negative; pass 0 to keep everything or e.g. 0.25")
         if self.tokenizer_sample_chars <= 0:
-            raise UserError("tokenizer_sample_chars must be positive; pass e.g. --tokenizer_sample_chars 20000000")
+            raise UserError("tokenizer_sample_chars must be positive; pass e.g. --tokenizer-sample-chars 20000000")

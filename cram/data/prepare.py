@@ -170,7 +170,7 @@ def _build(options: DataOptions, sources: list[Source], out_dir: Path, num_proc:
     stats["tokens_per_character"] = round(stats["tokens"] / max(stats["characters"], 1), 4)
     if writer.blocks == 0:
         raise UserError(f"the corpus gives {stats['tokens']} tokens after cleaning, less than one {options.seq_len}"
-                        "-token block; add more text or pass a smaller --seq_len")
+                        "-token block; add more text or pass a smaller --seq-len")
     stats["seconds_tokenizing_and_packing"] = _lap(clock)
 
     clock = time.perf_counter()
@@ -237,10 +237,10 @@ def _write_documents(sources: list[Source], options: DataOptions, path: Path, st
     stats["kept_fraction_after_trash_filter"] = round((judged - dropped_incompressible) / max(judged, 1), 4)
     if kept == 0 and dropped_incompressible:
         raise UserError(f"all {dropped_incompressible} documents were dropped as incompressible (reference pieces >= "
-                        f"{options.trash_cutoff} x characters); raise --trash_cutoff (0 keeps everything)")
+                        f"{options.trash_cutoff} x characters); raise --trash-cutoff (0 keeps everything)")
     if kept == 0:
         raise UserError(f"the sources hold no documents of at least {options.min_chars} characters "
-                        f"({read} read); check the sources or lower --min_chars")
+                        f"({read} read); check the sources or lower --min-chars")
     return column
 
 

@@ -165,7 +165,7 @@ class _MicroBatches(IterableDataset):
 
 def readymade_loader(blocks: StreamedBlocks, collate_fn: Callable, *, start: int, micro_batch_size: int,
                      process_index: int, num_processes: int, pin_memory: bool = False) -> DataLoader:
-    """The streamed counterpart of `cram.train.sampling.stream_loader`: the same serials, micro-batches and masks.
+    """The streamed counterpart of `cram.data.sampling.stream_loader`: the same serials, micro-batches and masks.
 
     Read in the training process: a stream has one reader (workers would each read it whole), and decoding a step's
     128-token rows from parquet takes milliseconds.

@@ -136,7 +136,7 @@ def _decoded_lines(path: Path, skip_invalid_utf8: bool, counters: dict) -> Itera
                     where = " of the decompressed text" if path.suffix in COMPRESSIONS else ""
                     raise UserError(
                         f"{path} is not valid UTF-8 at byte {offset + err.start}{where}: convert it to UTF-8, "
-                        "or prepare it with recipes/prepare_data.py --skip_invalid_utf8 to skip such lines."
+                        "or prepare it with recipes/prepare_data.py --skip-invalid-utf8 to skip such lines."
                     ) from None
                 counters["invalid_utf8_skipped"] = counters.get("invalid_utf8_skipped", 0) + 1
             offset += len(raw_line)
@@ -219,7 +219,7 @@ def _parquet_records(path: Path, text_column: str) -> Iterator[dict]:
         names = file.schema_arrow.names
         column = text_column if text_column in names else "input_ids" if "input_ids" in names else None
         if column is None:
-            raise UserError(f"{path} has no {text_column!r} column; pass --text_column naming the text column")
+            raise UserError(f"{path} has no {text_column!r} column; pass --text-column naming the text column")
         for batch in file.iter_batches(columns=[column], batch_size=1024):
             for value in batch.column(0).to_pylist():
                 yield _checked({column: value}, path, text_column)
@@ -233,7 +233,7 @@ def _checked(record: object, path: Path | str, text_column: str) -> dict:
             return {"input_ids": record["input_ids"]}
         if text_column in record:
             return {"text": ""}  # a null or non-text value counts as an empty (too short) document
-    raise UserError(f"{path} has a record without a {text_column!r} field; pass --text_column naming the text field")
+    raise UserError(f"{path} has a record without a {text_column!r} field; pass --text-column naming the text field")
 
 
 def _hub_unreachable(name: str, err: Exception) -> UserError:

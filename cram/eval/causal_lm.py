@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from cram.cli import summary
 from cram.data.causal import causal_lm_batch, load_causal_data
 from cram.errors import UserError, run_cli
 from cram.optional import import_optional
@@ -89,7 +90,7 @@ def run_lm_eval(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m cram.eval.causal_lm", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cram.eval.causal_lm", description=summary(__doc__))
     parser.add_argument("checkpoint", help="a checkpoint folder a training run wrote, e.g. runs/pythia/final")
     parser.add_argument("--data", help="held-out data: any source recipes/pythia.py reads")
     parser.add_argument("--first", type=int, default=0, help="first sequence of the held-out slice")

@@ -1,8 +1,10 @@
 """GLUE fine-tuning and evaluation of any encoder checkpoint: one fresh copy per task and seed, through `Trainer`.
 
-The protocol defaults are the "GLUE-sane" ones of the cramming paper (REFERENCE.md section 1): AdamW lr 4e-5,
-betas (0.9, 0.98), eps 1e-6, no weight decay, batch 16, cosine decay after 10 % warm-up, 5 epochs, max length 128,
-dropout 0.1, no gradient clipping. Batches are padded to their longest member (a multiple of 8), not to the max length.
+The protocol defaults are the "GLUE-sane" ones of the cramming paper, from cramming/config/eval/GLUE_sane.yaml
+(optim.lr 4e-5, batch_size 16, scheduler cosine-decay, warmup_steps 0.1, epochs 5, max_seq_length 128,
+eval_in_train_mode True: dropout on, gradient_clipping empty: none) and eval/optim/adam.yaml (betas 0.9, 0.98, eps
+1e-6, weight_decay 0); dropout 0.1 is arch/crammed-bert.yaml's hidden_dropout_prob. Batches are padded to their
+longest member (a multiple of 8), not to the max length.
 
 Each finished (task, seed) writes `OUTPUT_DIR/results/TASK-seedN.json`; an evaluation started again of the same
 checkpoint (by the digest of its files, not its path) with the same protocol skips those and runs only what is missing.
@@ -54,15 +56,10 @@ from cram.eval.glue_report import (
 )
 from cram.hub import add_eval_results_to_card
 from cram.optional import require_installed
-from cram.train.runtime import (
-    PRECISIONS,
-    check_installed_versions,
-    enable_tf32,
-    launch_device_type,
-    resolve_compile,
-    resolve_precision,
-    use_cpu_cores,
-)
+from cram.train.accelerator import launch_device_type, use_cpu_cores
+from cram.train.compilation import CompileChoice, resolve_compile
+from cram.train.precision import Precision, enable_tf32, resolve_precision
+from cram.versions import check_installed_versions
 
 # Small dev sets give noisy scores; these get --seeds fine-tunings, the large tasks --large-task-seeds.
 SMALL_TASKS = ("cola", "mrpc", "stsb", "rte")
@@ -105,8 +102,8 @@ class GlueRunOptions:
     """Options that change only speed and bookkeeping."""
 
     output_dir: str = option("runs/glue", "where results, the report and the per-task cache go")
-    precision: str = option("auto", f"{', '.join(PRECISIONS)}: auto is bf16 where supported (as the cram recipe)")
-    compile: str = option("auto", "torch.compile: auto (on for GPUs that support it), true or false")
+    precision: Precision = option("auto", "auto: bf16 where supported (as the cram recipe)")
+    compile: CompileChoice = option("auto", "torch.compile; auto: on for GPUs that support it")
     eval_batch_size: int = option(128, "examples per evaluation batch")
     write_eval_results: bool = option(True, "also write eval_results.json beside a local checkpoint (for the Hub)")
     fresh: bool = option(

@@ -1,10 +1,10 @@
 """GLUE metrics (scikit-learn/scipy: the `glue` extra), the median over seeds, and the report: markdown, JSON, chart.
 
-The headline layout is REFERENCE.md's: MNLI m/mm, QQP, QNLI, SST-2, CoLA, STS-B, MRPC, RTE and the average of
-those 9 numbers (MNLI counted twice), ×100, with the published crammed-BERT and BERT-base rows beside ours. Ours is
-shown twice: the median over each task's fine-tuning seeds, which is what the published crammed-BERT row reports
-(cramming's model_card.md, "Evaluation results": "the median over 5 trials"), and the single fine-tuning with seed
-0, one run of those the median is taken over.
+The headline layout is the table of cramming's model_card.md ("Evaluation results"): MNLI m/mm, QQP, QNLI, SST-2,
+CoLA, STS-B, MRPC, RTE and the average of those 9 numbers (MNLI counted twice), ×100, with the published
+crammed-BERT and BERT-base rows beside ours. Ours is shown twice: the median over each task's fine-tuning seeds,
+which is what the published crammed-BERT row reports (model_card.md: "the median over 5 trials"), and the single
+fine-tuning with seed 0, one run of those the median is taken over.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ HEADLINE = [
 ]
 PRIMARY = {key: metric for key, metric, _ in HEADLINE}
 
-# GLUE dev ×100 as published, in HEADLINE order, then the published average. The crammed-BERT row is cramming's
-# model_card.md, "Evaluation results" (the median over 5 fine-tunings); the others REFERENCE.md, "Headline results".
+# GLUE dev ×100 as published, in HEADLINE order, then the published average: crammed BERT from cramming's
+# model_card.md ("Evaluation results": the median over 5 fine-tunings); the v1 model and BERT-base from the paper's
+# GLUE-dev results table (Geiping & Goldstein, "Cramming", arXiv:2212.14034).
 PUBLISHED = {
     "crammed BERT, 24 h, one A6000 (model card: median of 5 fine-tunings)": [
         84.1, 84.6, 87.5, 90.2, 92.0, 53.3, 87.4, 88.9, 58.5, 80.7],

@@ -35,6 +35,8 @@ IGNORE_INDEX = -100
 
 # Model sizes by name. `crammed-bert` is the paper's model; the others exist for smoke runs and the demo.
 PRESETS: dict[str, dict] = {
+    # cramming/config/arch/crammed-bert.yaml: num_transformer_layers, hidden_size, intermed_size,
+    # attention.num_attention_heads; data/pile-readymade.yaml: vocab_size.
     "crammed-bert": dict(
         vocab_size=32768, hidden_size=768, num_hidden_layers=16, num_attention_heads=12, intermediate_size=3072
     ),
@@ -146,10 +148,9 @@ ATTENTION_PATHS = ("sdpa", "plain")
 def attention_path_for(device_type: str, low_precision: bool) -> str:
     """The faster attention kernel for crammed BERT's short (128-token) sequences on a device.
 
-    SDPA everywhere except bf16 on a CPU with bf16 matrix units (AMX, AVX512-BF16): there the profile in issue 19
-    measured SDPA's CPU flash kernel at 895 ms backward + 220 ms forward over two steps against about 390 ms for
-    the plain path. On a CPU without those units (AVX2) bf16 matmuls are emulated, and the plain path's bmm is
-    the slower one; in fp32 the two were within 10 % there, SDPA ahead (README, bench section).
+    SDPA everywhere except bf16 on a CPU with bf16 matrix units (AMX, AVX512-BF16), where SDPA's CPU flash kernel
+    is the slower one at these lengths; on a CPU without those units bf16 matmuls are emulated, and the plain path's
+    batched matmuls are the slower ones (docs/benchmarks.md).
     """
     if device_type == "cpu" and low_precision and CPU_HAS_BF16_UNITS:
         return "plain"

@@ -9,7 +9,8 @@ import torch
 from transformers import GPTNeoXConfig, PretrainedConfig
 
 from cram.errors import UserError
-from cram.models.crammed_bert import PRESETS, CrammedBertConfig, CrammedBertForMaskedLM
+from cram.models.crammed_bert import CrammedBertForMaskedLM
+from cram.models.crammed_bert_recipe import CRAMMED_BERT_RECIPES, crammed_bert_recipe
 from cram.models.pythia import (
     PYTHIA_SIZES,
     build_pythia_model,
@@ -18,11 +19,10 @@ from cram.models.pythia import (
     pythia_recipe,
     pythia_size_of,
 )
-from cram.train.ramp import RAMP_END
 from cram.train.throughput import crammed_bert_flops_per_token, gpt_neox_flops_per_token
 
 CRAMMED_BERT_PRESETS = {
-    ("crammed-bert" if name == "crammed-bert" else f"crammed-bert-{name}"): name for name in PRESETS
+    ("crammed-bert" if name == "crammed-bert" else f"crammed-bert-{name}"): name for name in CRAMMED_BERT_RECIPES
 }
 MODEL_NAMES = (*PYTHIA_SIZES, *CRAMMED_BERT_PRESETS)
 
@@ -41,8 +41,10 @@ class Recipe:
     ramp_end: float | None = None  # the budget fraction at which the batch ramp reaches the full batch; None: none
 
 
-# Crammed BERT trains for 24 hours; its batch ramps up to 8192 sequences of 128 tokens.
-CRAMMED_BERT_RECIPE = Recipe(global_batch_size=8192, seq_len=128, steps=None, budget_hours=24.0, ramp_end=RAMP_END)
+# The paper's run, which the planner plans for every crammed-BERT preset.
+PAPER = crammed_bert_recipe("crammed-bert")
+CRAMMED_BERT_RECIPE = Recipe(global_batch_size=PAPER.target_batch_size, seq_len=PAPER.seq_len, steps=None,
+                             budget_hours=PAPER.budget_hours, ramp_end=PAPER.ramp_end)
 
 
 def check_model_name(name: str) -> None:
@@ -68,10 +70,7 @@ def model_config(name: str, seq_len: int) -> PretrainedConfig:
     check_model_name(name)
     if name in PYTHIA_SIZES:
         return pythia_config(name, max_position_embeddings=max(seq_len, 2048))  # as recipes/pythia.py builds it
-    return CrammedBertConfig.from_preset(
-        CRAMMED_BERT_PRESETS[name], max_position_embeddings=seq_len, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
+    return crammed_bert_recipe(CRAMMED_BERT_PRESETS[name]).model_config(max_position_embeddings=seq_len)
 
 
 def build_model(config: PretrainedConfig, zero_init: bool = False) -> torch.nn.Module:

@@ -30,27 +30,23 @@ from accelerate.utils import set_seed
 
 from cram.data import DataOptions, is_prepared, prepare, prepared_path
 from cram.data.collator import MaskedLMCollator
+from cram.data.sampling import stream_loader
 from cram.plan.models import build_model, flops_per_token, is_causal, model_config
 from cram.plan.search import Probe, divisors, largest_micro_batch
 from cram.plan.space import Candidate
 from cram.plan.timing import MemoryGauge, SettlingClock, TimingClock, synchronize
+from cram.train.activation_checkpointing import enable_activation_checkpointing
+from cram.train.accelerator import build_accelerator, local_main_first
 from cram.train.checkpoint import Checkpointer
+from cram.train.compilation import is_compiled
+from cram.train.deepspeed_setup import check_optimizer_for_deepspeed, configure_deepspeed
 from cram.train.loop import train
 from cram.train.optim import build_adamw
-from cram.train.runtime import (
-    build_accelerator,
-    check_optimizer_for_deepspeed,
-    configure_deepspeed,
-    enable_activation_checkpointing,
-    enable_tf32,
-    is_compiled,
-    local_main_first,
-)
-from cram.train.sampling import stream_loader
+from cram.train.precision import enable_tf32
 from cram.train.state import TrainState
 from cram.train.throughput import peak_flops
 
-# Pythia's tokenizer cannot be fetched here; any real text in ids below the vocabulary times the same (dense model).
+# The probe downloads nothing: in a dense model any real text in ids below the vocabulary times the same as Pythia's.
 PYTHIA_STANDIN_VOCAB = 8192
 # A last guard against a process group stuck in a collective (a rank that died outside a probe): the launch ends.
 COLLECTIVE_TIMEOUT_MINUTES = 10.0

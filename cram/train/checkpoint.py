@@ -23,8 +23,8 @@ from accelerate import Accelerator
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from cram.errors import UserError
+from cram.train.accelerator import shut_down
 from cram.train.preemption import Preemption
-from cram.train.runtime import shut_down
 from cram.train.state import TrainState
 
 OPTIONS_FILE = "cram_options.json"

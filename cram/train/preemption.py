@@ -46,9 +46,8 @@ class Preemption:
 
         After SIGTERM, at once, without the interpreter's teardown: SIGTERM is a scheduler's notice with SIGKILL
         close behind it (SLURM's KillWait, 30 s by default; torchrun's agent forwards it to the ranks and kills them
-        30 s later), and finalisation alone, collecting torch's and DeepSpeed's objects, took 4-5 s of a ZeRO-3
-        rank's exit on a quiet 2-core machine (py-spy: `gc_collect_main`); on CI's loaded one such a stop ran past
-        the 30 s. After Ctrl-C, a plain `sys.exit`: a notebook catches it and its kernel lives on.
+        30 s later), and the teardown's collection of torch's and DeepSpeed's objects can take much of that on a
+        loaded machine. After Ctrl-C, a plain `sys.exit`: a notebook catches it and its kernel lives on.
         """
         if self.signal == signal.SIGTERM:
             sys.stdout.flush()

@@ -8,9 +8,6 @@ from dataclasses import dataclass
 from cram.errors import UserError
 from cram.train.state import TrainState
 
-# The budget fraction at which the batch reaches its target (cramming/config/train/bert-o4.yaml: batch_size_ramp).
-RAMP_END = 0.6
-
 
 def full_accumulation(target_batch_size: int, micro_batch_size: int, num_processes: int = 1) -> int:
     """Gradient-accumulation steps that make `target_batch_size` from micro-batches on every process."""
@@ -23,7 +20,7 @@ def full_accumulation(target_batch_size: int, micro_batch_size: int, num_process
     return target_batch_size // per_step
 
 
-def ramp_accumulation(progress: float, full: int, ramp_end: float = RAMP_END) -> int:
+def ramp_accumulation(progress: float, full: int, ramp_end: float) -> int:
     """Accumulation steps at `progress`: 1 at p = 0, growing linearly to `full` at p = `ramp_end`."""
     if ramp_end <= 0:
         return full

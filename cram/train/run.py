@@ -22,6 +22,7 @@ from cram.cli import option
 from cram.errors import UserError
 from cram.hub import BackgroundPusher, ModelCardFacts, check_repo_id, push_checkpoint, write_model_card
 from cram.optional import require_installed
+from cram.train.accelerator import COLLECTIVE_TIMEOUT_MINUTES, build_accelerator, parameter_counts, shut_down
 from cram.train.budget import WallClock
 from cram.train.checkpoint import (
     Checkpointer,
@@ -32,22 +33,16 @@ from cram.train.checkpoint import (
     load_checkpoint,
     read_checkpoint,
 )
+from cram.train.compilation import CompileChoice, compile_reason, is_compiled
 from cram.train.curves import write_training_curves
 from cram.train.loop import train
 from cram.train.optim import optimizer_state_bytes
+from cram.train.precision import Precision
 from cram.train.preemption import Preemption
 from cram.train.ramp import Pace
 from cram.train.revisions import REVISIONS_FOLDER, RevisionSaver, linked_copy, revisions_disk_line
-from cram.train.runtime import (
-    COLLECTIVE_TIMEOUT_MINUTES,
-    build_accelerator,
-    compile_reason,
-    is_compiled,
-    parameter_counts,
-    shut_down,
-)
 from cram.train.state import TrainState
-from cram.train.trackers import TRACKERS, flatten_config
+from cram.train.trackers import TRACKERS, Tracker, flatten_config
 
 CURVES_FILE = "training_curves.png"
 
@@ -58,15 +53,15 @@ class RunOptions:
 
     output_dir: str = option(
         "runs/train", "where the run writes: the model lands in OUTPUT_DIR/final, training states in checkpoints/")
-    precision: str = option(
-        "auto", "auto (bf16 on GPUs and CPUs that support it, else fp16 on GPUs, fp32 on CPUs), bf16, fp16 or fp32"
+    precision: Precision = option(
+        "auto", "auto: bf16 on GPUs and CPUs that support it, else fp16 on GPUs, fp32 on CPUs"
     )
-    compile: str = option("auto", "torch.compile: auto (on for GPUs that support it), true or false")
+    compile: CompileChoice = option("auto", "torch.compile; auto: on for GPUs that support it")
     activation_checkpointing: bool = option(False, "recompute each layer in the backward pass: less memory, slower")
     num_workers: int | None = option(None, "data loader workers; unset means 2 on GPU, 0 on CPU")
     log_every: int = option(10, "log every N optimizer steps")
-    report_to: str = option(
-        "none", f"experiment tracker: {', '.join(TRACKERS)} (WANDB_MODE=offline works without network)")
+    report_to: Tracker = option(
+        "none", "experiment tracker (WANDB_MODE=offline works without network)")
     checkpoint_every: int = option(0, "save a resumable training state every N optimizer steps (0: off)")
     checkpoint_every_minutes: float = option(30.0, "save a resumable training state every N minutes (0: off)")
     keep_checkpoints: int = option(2, "how many training states to keep (the newest)")
@@ -128,15 +123,13 @@ def describe_hardware(accelerator: Accelerator) -> str:
 
 
 class RecipeRun:
-    """One launched training run: what a recipe needs around `cram.train.loop.train`, in the order it needs it.
+    """One launched training run: what a recipe needs around `cram.train.loop.train`, in three steps that each
+    return what the next one needs, so they cannot come out of order:
 
-        run = RecipeRun("cram", options)           # Accelerator, compile choice, the checkpoint to resume from
-        run.check_resume(facts)                    # the facts a resumed run must share with the saved one
-        model, optimizer, state = run.prepare(model, optimizer)
-        run.start_trackers(training, extras, state)
-        checkpointer = run.checkpointer(state, model, tokenizer, card)
-        finished = run.train(model, optimizer, batches, clock, state, checkpointer, peak_lr=..., ...)
-        run.finish(state, finished, checkpointer, model, optimizer, tokenizer, card, ...)
+        run = RecipeRun("cram", options)     # the Accelerator, the compile choice, the checkpoint to resume from
+        session = run.start(model, optimizer, training, facts=..., resolved=...)
+        batches = ...                        # the recipe's loader, from session.state.sequences on
+        session.train(batches, clock, tokenizer=..., card=..., peak_lr=..., ...)
     """
 
     def __init__(self, project: str, options: RunOptions):
@@ -161,11 +154,6 @@ class RecipeRun:
                 f"{self.output_dir} already holds a finished model (final/): start a new run in another --output-dir, "
                 "or delete that folder first."
             )
-        self.facts: dict = {}
-        self.resolved: dict = {}
-        self.parameters = self.parameters_held = 0
-        self.preemption: Preemption | None = None
-        self.pusher: BackgroundPusher | None = None
 
     @property
     def is_main_process(self) -> bool:
@@ -177,17 +165,16 @@ class RecipeRun:
             return self.options.num_workers
         return default_num_workers(self.device_type)
 
-    def check_resume(self, facts: dict) -> None:
-        """Remember what a resumed run must share with this one; refuse a checkpoint written by a different run."""
-        self.facts = facts
+    def start(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, training: object, *, facts: dict,
+        resolved: dict,
+    ) -> RunSession:
+        """Refuse a checkpoint that another run wrote (`facts`: what a resumed run must share with the saved one),
+        hand model and optimizer to Accelerate (which compiles the model when asked), restore the saved state when
+        resuming, and start the tracker with the resolved options (`resolved`: the recipe's own, beside the run's),
+        which are saved beside every exported model."""
         if self.resume_from is not None:
             check_same_run(read_checkpoint(self.resume_from)[1], facts, self.resume_from)
-
-    def prepare(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
-    ) -> tuple[torch.nn.Module, torch.optim.Optimizer, TrainState]:
-        """Hand model and optimizer to Accelerate (which compiles the model when asked), and restore the saved state
-        when resuming."""
         model, optimizer = self.accelerator.prepare(model, optimizer)
         state = TrainState()
         if self.resume_from is not None:
@@ -195,30 +182,54 @@ class RecipeRun:
             if self.is_main_process:
                 print(f"resuming from {self.resume_from}: step {state.optimizer_steps}, "
                       f"{state.elapsed:.0f} s of training done")
-        self.parameters, self.parameters_held = parameter_counts(model)
-        return model, optimizer, state
-
-    def start_trackers(self, training: object, resolved_extras: dict, state: TrainState) -> None:
-        """Record the resolved options (saved beside every exported model) and start the tracker with them."""
+        parameters, parameters_held = parameter_counts(model)
         accelerator = self.accelerator
-        self.resolved = {
+        options = {
             "training": dataclasses.asdict(training),
             "implementation": dataclasses.asdict(self.options),
             "resolved": {
-                **resolved_extras,
+                **resolved,
                 "mixed_precision": accelerator.mixed_precision,
                 "compile": self.use_compile,
                 "compile_reason": compile_reason(self.options.compile, self.device_type),
                 "distributed_type": str(accelerator.distributed_type),
                 "num_processes": accelerator.num_processes,
                 "device": device_name(accelerator.device),
-                "parameters": self.parameters,
-                "parameters_held_by_rank0": self.parameters_held,
+                "parameters": parameters,
+                "parameters_held_by_rank0": parameters_held,
             },
         }
         # A resumed run keeps logging to the same wandb run (the id is saved in every checkpoint).
-        accelerator.init_trackers(self.project, config=flatten_config(self.resolved),
+        accelerator.init_trackers(self.project, config=flatten_config(options),
                                   init_kwargs={"wandb": {"id": state.run_id, "resume": "allow"}})
+        return RunSession(self, model, optimizer, state, facts, options, parameters, parameters_held)
+
+
+class RunSession:
+    """A started run: the prepared model and optimizer, the training state (restored when resuming) and the
+    resolved options; `train` runs the loop with checkpoints and ends the run."""
+
+    def __init__(
+        self, run: RecipeRun, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState,
+        facts: dict, resolved: dict, parameters: int, parameters_held: int,
+    ):
+        self.run = run
+        self.accelerator = run.accelerator
+        self.options = run.options
+        self.output_dir = run.output_dir
+        self.model = model
+        self.optimizer = optimizer
+        self.state = state
+        self.facts = facts
+        self.resolved = resolved
+        self.parameters = parameters
+        self.parameters_held = parameters_held
+        self.preemption: Preemption | None = None
+        self.pusher: BackgroundPusher | None = None
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.accelerator.is_main_process
 
     def card(self, state: TrainState, *, model: str, config: PretrainedConfig, **facts) -> ModelCardFacts:
         """The model card's facts: the run's own (repository, architecture, size, hardware, progress) plus the
@@ -235,17 +246,38 @@ class RecipeRun:
             **facts,
         )
 
-    def checkpointer(
-        self, state: TrainState, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
-        card: Callable[[TrainState], ModelCardFacts], *, revisions_at: Collection[int] | None = None,
-        states_at: Collection[int] = (),
+    def train(
+        self, batches: Iterator[dict], clock: WallClock, *, tokenizer: PreTrainedTokenizerBase, card: dict,
+        peak_lr: float, lr_shape: Callable[[float], float], accumulation_at: Callable[[Pace], int],
+        max_grad_norm: float, flops_per_token: float, blocks: int, load_hint: str,
+        revisions_at: Collection[int] | None = None, states_at: Collection[int] = (),
+    ) -> None:
+        """`cram.train.loop.train` with this run's accelerator, logging interval, checkpoints and stop signal, then
+        the end of the run: stopped by a signal, the state saved; else the model exported with its summary, curves
+        and card (`card`: the recipe's facts for it), and pushed.
+
+        Checkpoints: periodic training states, and one at each step in `states_at`, each followed by the curves
+        plot. Without `revisions_at`, --push-checkpoints pushes each state's model to the Hub revision named for its
+        folder; with it, the model is exported at those steps to OUTPUT_DIR/revisions/stepN (step 0: before
+        training, in a fresh run), and --push-checkpoints pushes those as the revisions stepN, as the released Pythia
+        models have them."""
+        checkpointer = self._start_checkpoints(tokenizer, card, revisions_at, states_at)
+        finished = train(
+            self.model, self.optimizer, batches, self.accelerator, clock, self.state, peak_lr=peak_lr,
+            lr_shape=lr_shape, accumulation_at=accumulation_at, max_grad_norm=max_grad_norm,
+            log_every=self.options.log_every, flops_per_token=flops_per_token, checkpointer=checkpointer,
+            preemption=self.preemption,
+        )
+        self._finish(finished, checkpointer, tokenizer, card, blocks=blocks, flops_per_token=flops_per_token,
+                     load_hint=load_hint)
+
+    def _start_checkpoints(
+        self, tokenizer: PreTrainedTokenizerBase, card: dict, revisions_at: Collection[int] | None,
+        states_at: Collection[int],
     ) -> Checkpointer:
-        """Periodic training states, and one at each step in `states_at`, each followed by the curves plot.
-        Without `revisions_at`, --push-checkpoints pushes each state's model to the Hub revision named for its folder;
-        with it, the model is exported at those steps to OUTPUT_DIR/revisions/stepN (step 0: before training, in a
-        fresh run), and --push-checkpoints pushes those as the revisions stepN, as the released Pythia models have
-        them. Installs the preemption handler."""
-        options = self.options
+        """The checkpointer `train` describes; installs the preemption handler."""
+        options, state, model = self.options, self.state, self.model
+        resumed_at = state.optimizer_steps if self.run.resume_from else None
         if options.push_checkpoints:
             self.pusher = BackgroundPusher(options.push_to_hub, private=not options.hub_public)
 
@@ -253,14 +285,14 @@ class RecipeRun:
             if self.is_main_process:
                 write_training_curves(state.history, self.output_dir / CURVES_FILE)
             if options.push_checkpoints and revisions_at is None:
-                self.push_checkpoint_model(state, model, tokenizer, card, saved.name)
+                self._push_checkpoint_model(state, tokenizer, card, saved.name)
 
         revisions = None
         if revisions_at is not None:
             revisions = RevisionSaver(
                 self.accelerator, model, tokenizer, lambda: self.resolved, self.output_dir / REVISIONS_FOLDER,
-                revisions_at, publish=self.push_revision(card) if options.push_checkpoints else None,
-                resumed_at=state.optimizer_steps if self.resume_from else None,
+                revisions_at, publish=self._push_revision(card) if options.push_checkpoints else None,
+                resumed_at=resumed_at,
             )
             if self.is_main_process:
                 dtype = next(self.accelerator.unwrap_model(model).parameters()).dtype
@@ -272,39 +304,26 @@ class RecipeRun:
             every_seconds=options.checkpoint_every_minutes * 60,
             keep=options.keep_checkpoints,
             on_save=after_save,
-            resumed_at=state.optimizer_steps if self.resume_from else None,
+            resumed_at=resumed_at,
         )
         self.preemption = Preemption().install()
         if revisions is not None and revisions.due(state):
             revisions.save(state)  # step 0, which the loop never asks about
         return checkpointer
 
-    def train(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator[dict], clock: WallClock,
-        state: TrainState, checkpointer: Checkpointer, *, peak_lr: float, lr_shape: Callable[[float], float],
-        accumulation_at: Callable[[Pace], int], max_grad_norm: float, flops_per_token: float,
-    ) -> bool:
-        """`cram.train.loop.train` with this run's accelerator, logging interval, checkpointer and stop signal."""
-        return train(
-            model, optimizer, batches, self.accelerator, clock, state, peak_lr=peak_lr, lr_shape=lr_shape,
-            accumulation_at=accumulation_at, max_grad_norm=max_grad_norm, log_every=self.options.log_every,
-            flops_per_token=flops_per_token, checkpointer=checkpointer, preemption=self.preemption,
-        )
-
-    def push_checkpoint_model(
-        self, state: TrainState, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
-        card: Callable[[TrainState], ModelCardFacts], revision: str,
+    def _push_checkpoint_model(
+        self, state: TrainState, tokenizer: PreTrainedTokenizerBase, card: dict, revision: str,
     ) -> None:
         """The model at this step, as a plain checkpoint, to the Hub revision `revision` (every process calls it;
         uploaded in the background from a copy that checkpoint pruning cannot delete)."""
-        exported = export_model(self.accelerator, model, tokenizer, self.resolved,
+        exported = export_model(self.accelerator, self.model, tokenizer, self.resolved,
                                 self.output_dir / "hub-uploads" / revision)
         if exported is None:  # not rank 0
             return
-        write_model_card(exported, card(state))
+        write_model_card(exported, self.card(state, **card))
         self.pusher.submit(exported, revision=revision)
 
-    def push_revision(self, card: Callable[[TrainState], ModelCardFacts]) -> Callable[[TrainState, Path, str], None]:
+    def _push_revision(self, card: dict) -> Callable[[TrainState, Path, str], None]:
         """What a `RevisionSaver` calls after each export: push a linked copy of it (the pusher deletes what it
         pushed; the revision stays on disk) with its model card to the Hub revision of its name, from rank 0."""
 
@@ -312,29 +331,30 @@ class RecipeRun:
             if not self.is_main_process:
                 return
             upload = linked_copy(exported, self.output_dir / "hub-uploads" / revision)
-            write_model_card(upload, card(state))
+            write_model_card(upload, self.card(state, **card))
             self.pusher.submit(upload, revision=revision)
 
         return publish
 
-    def finish(
-        self, state: TrainState, finished: bool, checkpointer: Checkpointer, model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer, tokenizer: PreTrainedTokenizerBase,
-        card: Callable[[TrainState], ModelCardFacts], *, blocks: int, flops_per_token: float, load_hint: str,
+    def _finish(
+        self, finished: bool, checkpointer: Checkpointer, tokenizer: PreTrainedTokenizerBase, card: dict, *,
+        blocks: int, flops_per_token: float, load_hint: str,
     ) -> None:
         """After the loop: stop for a signal (saving the state), else export the model, write the summary, the
         curves and the card, end every process together, then push."""
+        state = self.state
         if not finished:
             checkpointer.stop(state, self.preemption)
             if self.pusher is not None:
                 self.pusher.abandon()
             self.preemption.leave()
-        checkpoint = export_model(self.accelerator, model, tokenizer, self.resolved, self.output_dir / "final")
+        checkpoint = export_model(self.accelerator, self.model, tokenizer, self.resolved, self.output_dir / "final")
         if checkpoint is not None:  # rank 0
             write_summary(state, checkpoint, self.output_dir, blocks, flops_per_token, self.parameters,
-                          self.parameters_held, self.resume_from, optimizer_state_bytes(optimizer), load_hint)
+                          self.parameters_held, self.run.resume_from, optimizer_state_bytes(self.optimizer),
+                          load_hint)
             write_training_curves(state.history, self.output_dir / CURVES_FILE)
-            write_model_card(checkpoint, card(state))
+            write_model_card(checkpoint, self.card(state, **card))
         shut_down(self.accelerator)
         if self.pusher is not None:
             self.pusher.finish()  # the checkpoints' revisions land before the final model

@@ -12,7 +12,7 @@ class TrainState:
     # Steps whose update an fp16 overflow skipped: the learning-rate schedule does not advance on them (DeepSpeed's
     # engine skips its scheduler there, deepspeed/runtime/engine.py `_take_model_step`), the step count does.
     skipped_steps: int = 0
-    sequences: int = 0  # sequences consumed by all processes: the data position (see `cram.train.sampling`)
+    sequences: int = 0  # sequences consumed by all processes: the data position (see `cram.data.sampling`)
     tokens: int = 0
     elapsed: float = 0.0  # seconds of training across every session of the run: the budget clock continues here
     history: list[dict] = field(default_factory=list)  # one row per logged step

@@ -24,11 +24,11 @@ class Gpu:
     price_usd: float | None  # None: no price in the published table
 
 
-# Peaks: the vendor's datasheet for each GPU, the BF16 tensor-core row; where the datasheet gives only the figure
-# with 2:4 sparsity (marked *), half of it. GeForce and RTX rows: NVIDIA's architecture whitepapers, "Peak BF16
-# Tensor TFLOPS with FP32 Accumulate". Prices: "$100K or 100 Days" (Khandelwal et al., 2024, REFERENCE.md
-# section 3). A variant without a vendor figure of its own (the RTX 4090 D: 114 of the 4090's 128 SMs; the
-# GH200) is left out: no MFU is better than a wrong one.
+# Peaks: the vendor's datasheet for each GPU, the BF16 tensor-core row; where the datasheet gives only the figure with
+# 2:4 sparsity (marked *), half of it. GeForce and RTX rows: NVIDIA's architecture whitepapers, "Peak BF16 Tensor
+# TFLOPS with FP32 Accumulate". Prices: "$100K or 100 Days" (Khandelwal et al., 2024, arXiv:2410.23261), the GPU
+# prices of its cost-benefit analysis. A variant without a vendor figure of its own (the RTX 4090 D: 114 of the 4090's
+# 128 SMs; the GH200) is left out: no MFU is better than a wrong one.
 GPUS = (
     Gpu("h100", ("h100",), 989.0, 80, 30_000),  # H100 datasheet, SXM: 1,979* TFLOPS
     Gpu("h100-pcie", ("h100 pcie",), 756.0, 80, None),  # H100 datasheet, PCIe: 1,513*

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-TRACKERS = ("none", "wandb", "tensorboard")
+from typing import Literal, get_args
+
+Tracker = Literal["none", "wandb", "tensorboard"]
+TRACKERS: tuple[str, ...] = get_args(Tracker)
 
 
 def flatten_config(config: dict, prefix: str = "") -> dict[str, str | int | float | bool]:

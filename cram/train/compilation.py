@@ -1,0 +1,47 @@
+"""Whether a run compiles its model with torch.compile, and why."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DynamoBackend
+
+from cram.errors import UserError
+
+CompileChoice = Literal["auto", "true", "false"]
+COMPILE_CHOICES: tuple[str, ...] = get_args(CompileChoice)
+
+
+def resolve_compile(choice: str, device_type: str) -> bool:
+    """Whether to `torch.compile`; `compile_reason` says why, for the resolved options.
+
+    `auto` compiles on GPUs Triton supports (compute capability 7.0 and newer) and not on the CPU, where the step
+    is matrix products that inductor leaves to the same kernels, so compiling would cost minutes and gain nothing
+    (`make bench --compile` compares the two; docs/benchmarks.md).
+    """
+    return compile_decision(choice, device_type)[0]
+
+
+def compile_reason(choice: str, device_type: str) -> str:
+    """Why `resolve_compile` decided as it did, in a phrase."""
+    return compile_decision(choice, device_type)[1]
+
+
+def compile_decision(choice: str, device_type: str) -> tuple[bool, str]:
+    if choice not in COMPILE_CHOICES:
+        raise UserError(f"unknown --compile value {choice!r}: choose one of {', '.join(COMPILE_CHOICES)}.")
+    if choice != "auto":
+        return choice == "true", f"--compile {choice} asked for it"
+    if device_type != "cuda":
+        return False, "auto: off on the CPU, where the step is matrix products inductor cannot speed up"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 7:
+        return False, f"auto: off on a GPU of compute capability {major}.{minor}, below Triton's 7.0"
+    return True, f"auto: on for a GPU of compute capability {major}.{minor} (Triton's inductor kernels)"
+
+
+def is_compiled(accelerator: Accelerator) -> bool:
+    """Whether `prepare` compiles the model."""
+    return accelerator.state.dynamo_plugin.backend != DynamoBackend.NO

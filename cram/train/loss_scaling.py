@@ -1,0 +1,109 @@
+"""fp16 loss scaling as a recipe publishes it, under DeepSpeed's JSON or on Accelerate's own GradScaler."""
+
+from __future__ import annotations
+
+import torch
+from accelerate import Accelerator
+
+from cram.errors import UserError
+
+
+def fp16_loss_scaling(
+    accelerator: Accelerator, initial_scale_power: int, window: int, hysteresis: int, min_scale: float
+) -> list[str]:
+    """Dynamic fp16 loss scaling from 2^initial_scale_power with DeepSpeed's rules (see `HysteresisLossScaling`).
+
+    DeepSpeed: the JSON's fp16 section takes all four values (a value it states otherwise is replaced, and named
+    in the list returned so the recipe can say so). Accelerate's own fp16 (DDP, FSDP, one GPU): its GradScaler is
+    replaced by one of the same kind that follows DeepSpeed's rules, hysteresis and minimum scale included.
+    """
+    plugin = accelerator.state.deepspeed_plugin
+    replaced = []
+    if plugin is not None:
+        section = plugin.deepspeed_config.setdefault("fp16", {})
+        wanted = {"loss_scale": 0, "initial_scale_power": initial_scale_power, "loss_scale_window": window,
+                  "hysteresis": hysteresis, "min_loss_scale": min_scale}
+        replaced = [f"{key} {section[key]} -> {value}" for key, value in wanted.items()
+                    if section.get(key, "auto") not in ("auto", value)]
+        section.update(wanted)
+    elif accelerator.scaler is not None:  # built by Accelerate before `prepare` hands it to the optimizer
+        accelerator.scaler = hysteresis_scaler_like(accelerator.scaler, 2.0**initial_scale_power, window, hysteresis,
+                                                    min_scale)
+    return replaced
+
+
+class HysteresisLossScaling:
+    """DeepSpeed's dynamic loss scaling on a torch GradScaler, as GPT-NeoX v1.0 trained Pythia in fp16.
+
+    The rules of `DynamicLossScaler.update_scale` (deepspeed/runtime/fp16/loss_scaler.py in DeeperSpeed eb7f5cff,
+    the commit GPT-NeoX v1.0's requirements pin; no consecutive hysteresis): an overflow skips the step and halves
+    the scale only when it is the `hysteresis`-th since the scale last grew (earlier ones each use one up), never
+    below `min_scale`, and an overflow at `min_scale` ends the run; the scale doubles whenever the steps since the last
+    overflow (or the start) are a multiple of the window, which refills the hysteresis. torch's GradScaler halves on
+    every overflow and has no floor; its window counts alike. The overflow itself is torch's: the inf/nan check of
+    `unscale_`, which also decides the skip.
+    """
+
+    def __init__(self, *args, hysteresis: int = 1, min_scale: float = 1.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hysteresis = hysteresis
+        self.min_scale = min_scale
+        self.hysteresis_left = hysteresis  # DeepSpeed's cur_hysteresis
+        self.iteration = 0  # cur_iter
+        self.last_overflow_iteration = -1  # last_overflow_iter
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        if not self.is_enabled() or new_scale is not None:
+            super().update(new_scale)
+            return
+        found = [found_inf for state in self._per_optimizer_states.values()
+                 for found_inf in state["found_inf_per_device"].values()]
+        if not found:
+            super().update()  # torch's own refusal: no inf checks were recorded before update
+        scale = self.get_scale()
+        if any(found_inf.item() for found_inf in found):
+            if self.hysteresis == 1 or self.hysteresis_left == 1:
+                if scale == self.min_scale:
+                    raise UserError(
+                        f"fp16 gradients overflow at the minimum loss scale {self.min_scale:g}, where GPT-NeoX's "
+                        "DeepSpeed ends the run too: resume from an earlier checkpoint, or train in bf16 "
+                        "(--precision bf16).")
+                scale = max(scale / 2.0, self.min_scale)
+            else:
+                self.hysteresis_left -= 1
+            self.last_overflow_iteration = self.iteration
+        elif (self.iteration - self.last_overflow_iteration) % self.get_growth_interval() == 0:
+            self.hysteresis_left = self.hysteresis
+            scale *= 2.0
+        self.iteration += 1
+        super().update(new_scale=float(scale))  # sets the scale and clears this step's inf checks
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        if self.is_enabled():
+            state.update(hysteresis=self.hysteresis, min_scale=self.min_scale, hysteresis_left=self.hysteresis_left,
+                         iteration=self.iteration, last_overflow_iteration=self.last_overflow_iteration)
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        for key in ("hysteresis", "min_scale", "hysteresis_left", "iteration", "last_overflow_iteration"):
+            if key in state_dict:
+                setattr(self, key, state_dict[key])
+
+
+class HysteresisGradScaler(HysteresisLossScaling, torch.amp.GradScaler):
+    """torch's GradScaler (one process, DDP, FSDP2) with DeepSpeed's rules."""
+
+
+def hysteresis_scaler_like(
+    built: torch.amp.GradScaler, init_scale: float, window: int, hysteresis: int, min_scale: float
+) -> torch.amp.GradScaler:
+    """A scaler of `built`'s kind and device (FSDP1's sharded one, or torch's) that follows DeepSpeed's rules."""
+    settings = {"init_scale": init_scale, "growth_interval": window, "hysteresis": hysteresis, "min_scale": min_scale}
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    if isinstance(built, ShardedGradScaler):
+        sharded = type("HysteresisShardedGradScaler", (HysteresisLossScaling, ShardedGradScaler), {})
+        return sharded(device=built._device, process_group=built.process_group, **settings)
+    return HysteresisGradScaler(built._device, **settings)
