@@ -150,4 +150,4 @@ plan: setup
 		--output-dir runs/plan/$(MODEL) --verify
 
 bench-plan: setup
-	$(BIN)/python -m cram.bench.plan
+	$(BIN)/python -m cram.bench.plan_accuracy

@@ -21,7 +21,7 @@ sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Pa
 
 from cram.cli import OptionParser, parse_strictly, summary
 from cram.errors import run_cli
-from cram.eval.glue import GlueOptions, GlueRunOptions, evaluate, prepare_evaluation
+from cram.eval.glue_finetune import GlueOptions, GlueRunOptions, evaluate, prepare_evaluation
 
 
 def main() -> None:

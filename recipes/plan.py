@@ -30,7 +30,6 @@ from cram.devices import cpu_has_bf16_units
 from cram.errors import UserError, run_cli
 from cram.plan.cost import hardware_price, parse_target, predicted_step_seconds, project
 from cram.plan.emit import launch_command, recipe_flags, write_pair
-from cram.plan.memory import PRUNE_MARGIN, Shape, predicted_bytes
 from cram.plan.models import (
     CRAMMED_BERT_PRESETS,
     MODEL_NAMES,
@@ -41,6 +40,7 @@ from cram.plan.models import (
     model_config,
     recipe_for,
 )
+from cram.plan.peak_memory import PRUNE_MARGIN, Shape, predicted_bytes
 from cram.plan.report import markdown_table, write_reports
 from cram.plan.space import OPTIMIZERS, Candidate, candidate_space, select_candidates
 from cram.plan.sweep import (

@@ -36,7 +36,7 @@ from cram.cli import OptionParser, option, parse_strictly, summary
 from cram.data.causal import causal_data_ready, causal_lm_batch, load_causal_data
 from cram.data.sampling import stream_loader
 from cram.errors import UserError, run_cli
-from cram.models.pythia import (
+from cram.models.pythia_suite import (
     PYTHIA_SIZES,
     PythiaRecipe,
     build_pythia_model,
@@ -47,18 +47,18 @@ from cram.models.pythia import (
     pythia_config,
     pythia_recipe,
 )
-from cram.train.activation_checkpointing import enable_activation_checkpointing
 from cram.train.accelerator import launch_device_type, local_main_first
+from cram.train.activation_checkpointing import enable_activation_checkpointing
 from cram.train.budget import StepClock
 from cram.train.checkpoint import read_checkpoint
 from cram.train.deepspeed_setup import configure_deepspeed
 from cram.train.loss_scaling import fp16_loss_scaling
-from cram.train.memory import check_model_fits
 from cram.train.optim import build_adamw
 from cram.train.precision import Precision, enable_tf32, gpu_has_bf16_units
 from cram.train.ramp import full_accumulation
 from cram.train.revisions import parse_revision_steps
 from cram.train.run import RecipeRun, RunOptions, check_run_options
+from cram.train.state_memory import check_model_fits
 from cram.train.throughput import gpt_neox_flops_per_token
 
 PythiaSizeName = Literal[tuple(PYTHIA_SIZES)]

@@ -23,8 +23,8 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
 from cram.plan.emit import write_pair
-from cram.plan.memory import Shape, state_parts
 from cram.plan.models import build_model, layer_class_name, model_config
+from cram.plan.peak_memory import Shape, state_parts
 from cram.plan.space import Candidate
 from cram.train.deepspeed_setup import configure_deepspeed, prepare_deepspeed_on_the_cpu
 from cram.train.optim import build_adamw

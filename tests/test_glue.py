@@ -34,7 +34,7 @@ from transformers import (
 )
 
 import cram  # noqa: F401 - registers the Auto classes
-import cram.eval.glue as glue_module
+import cram.eval.glue_finetune as glue_module
 from cram.cli import parse_strictly
 from cram.eval.glue_data import TASKS, load_task
 from cram.eval.glue_report import task_metrics

@@ -15,8 +15,8 @@ from tokenizers import processors
 
 from cram.data.tokenizer import train_wordpiece
 from cram.errors import UserError
-from cram.eval.glue import tokenized
 from cram.eval.glue_data import TASKS, check_classification_token_first, load_task, parse_tasks, read_tsv
+from cram.eval.glue_finetune import tokenized
 from cram.eval.glue_report import PUBLISHED, eval_results, headline, markdown_report, summarize, task_metrics
 
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from cram.errors import UserError
-from cram.eval.glue import (
+from cram.eval.glue_data import parse_tasks
+from cram.eval.glue_finetune import (
     Evaluation,
     GlueOptions,
     GlueRunOptions,
@@ -27,7 +28,6 @@ from cram.eval.glue import (
     training_arguments,
     write_report,
 )
-from cram.eval.glue_data import parse_tasks
 from cram.eval.glue_report import markdown_report, seed_zero, summarize
 
 

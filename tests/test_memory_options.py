@@ -12,8 +12,8 @@ from launching import run
 
 from cram.data.collator import MaskedLMCollator
 from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
-from cram.train.optim import build_adamw
 from cram.train.activation_checkpointing import enable_activation_checkpointing
+from cram.train.optim import build_adamw
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from deepspeed.runtime.zero.stage3 import model_to_params
 
-from cram.plan.memory import Shape, host_bytes, predicted_bytes, prune_reason, state_bytes
 from cram.plan.models import build_model, model_config
+from cram.plan.peak_memory import Shape, host_bytes, predicted_bytes, prune_reason, state_bytes
 from cram.plan.space import Candidate, candidate_space
-from cram.train.memory import model_state_bytes
+from cram.train.state_memory import model_state_bytes
 
 GIB = 2**30
 

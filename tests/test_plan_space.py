@@ -11,8 +11,8 @@ from launching import load_recipe, run
 
 from cram.errors import UserError
 from cram.plan.cost import GPUS, amortised_cost, hardware_price, parse_target, project
-from cram.plan.memory import Shape, predicted_bytes, seed_micro_batch, state_bytes
 from cram.plan.models import count_parameters, model_config
+from cram.plan.peak_memory import Shape, predicted_bytes, seed_micro_batch, state_bytes
 from cram.plan.search import Probe, divisors, largest_micro_batch
 from cram.plan.space import Candidate, candidate_space, select_candidates
 from cram.plan.sweep import Setting, launch_probe, sweep

@@ -25,8 +25,8 @@ from launching import started, wait_until
 
 from cram.errors import UserError
 from cram.plan import sweep as sweep_module
-from cram.plan.memory import Shape
 from cram.plan.models import model_config
+from cram.plan.peak_memory import Shape
 from cram.plan.probe import CandidateRun, is_out_of_memory
 from cram.plan.report import markdown_table
 from cram.plan.space import Candidate

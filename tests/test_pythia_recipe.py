@@ -33,7 +33,7 @@ from cram.data.megatron import (
 )
 from cram.data.tokenizer import train_byte_level_bpe
 from cram.errors import UserError
-from cram.models.pythia import pythia_recipe, weight_type
+from cram.models.pythia_suite import pythia_recipe, weight_type
 from cram.train.checkpoint import STATE_FILE
 
 REPO = Path(__file__).resolve().parents[1]

@@ -21,7 +21,7 @@ from cram.eval.replication import (
     scoring_dtype,
     verdict,
 )
-from cram.models.pythia import pythia_checkpoint_steps
+from cram.models.pythia_suite import pythia_checkpoint_steps
 from cram.train.revisions import parse_revision_steps, revisions_disk_line
 
 

@@ -36,7 +36,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GPTNeoXForCausalLM, P
 
 from cram.data.causal import causal_lm_batch, load_causal_data
 from cram.errors import UserError, run_cli
-from cram.models.pythia import weight_type
+from cram.models.pythia_suite import weight_type
 
 OPTIONS_FILE = "cram_options.json"
 REVISIONS_FOLDER = "revisions"  # cram.train.revisions' folder (not imported: it would pull in the training stack)

@@ -26,7 +26,7 @@ def deepspeed_config(candidate: Candidate, hidden_size: int) -> dict:
     under bf16, stage 1 runs DeepSpeed's BF16_Optimizer with a full fp32 gradient on every GPU (2 + 2 + 4 + 12/N
     bytes per parameter), stage 1 with offload a full fp32 accumulator per parameter, stage 2 only its fp32
     partition. Stage 3 keeps DeepSpeed's default, the training dtype: at the deepspeed floor (0.16) a ZeRO-3
-    engine given fp32 accumulation trains on NaN losses from the first step. `cram.train.memory.deepspeed_parts`
+    engine given fp32 accumulation trains on NaN losses from the first step. `cram.train.state_memory.deepspeed_parts`
     counts each, so the planner weighs it."""
     zero: dict = {"stage": candidate.zero_stage, "reduce_bucket_size": "auto"}
     if candidate.zero_stage in (1, 2):

@@ -1,4 +1,4 @@
-"""The models the planner knows: the Pythia sizes (`cram.models.pythia`) and the crammed-BERT presets, with their
+"""The models the planner knows: the Pythia sizes (`cram.models.pythia_suite`) and the crammed-BERT presets, with their
 recipes' batch shape and length."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from transformers import GPTNeoXConfig, PretrainedConfig
 from cram.errors import UserError
 from cram.models.crammed_bert import CrammedBertForMaskedLM
 from cram.models.crammed_bert_recipe import CRAMMED_BERT_RECIPES, crammed_bert_recipe
-from cram.models.pythia import (
+from cram.models.pythia_suite import (
     PYTHIA_SIZES,
     build_pythia_model,
     pythia_checkpoint_steps,

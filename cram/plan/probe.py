@@ -35,8 +35,8 @@ from cram.plan.models import build_model, flops_per_token, is_causal, model_conf
 from cram.plan.search import Probe, divisors, largest_micro_batch
 from cram.plan.space import Candidate
 from cram.plan.timing import MemoryGauge, SettlingClock, TimingClock, synchronize
-from cram.train.activation_checkpointing import enable_activation_checkpointing
 from cram.train.accelerator import build_accelerator, local_main_first
+from cram.train.activation_checkpointing import enable_activation_checkpointing
 from cram.train.checkpoint import Checkpointer
 from cram.train.compilation import is_compiled
 from cram.train.deepspeed_setup import check_optimizer_for_deepspeed, configure_deepspeed

@@ -26,7 +26,7 @@ from cram.errors import UserError
 from cram.plan.cost import SECONDS_PER_DAY, amortised_cost, analytic_days, cloud_cost
 from cram.plan.days import ramp_steps, saves_in_budget, saves_in_step_run, training_seconds_in_budget
 from cram.plan.emit import write_atomically, write_pair
-from cram.plan.memory import Shape, prune_reason, seed_micro_batch
+from cram.plan.peak_memory import Shape, prune_reason, seed_micro_batch
 from cram.plan.report import failure_note, source_note
 from cram.plan.search import divisors
 from cram.plan.space import SHARDINGS, Candidate

@@ -1,6 +1,6 @@
 """Benchmark: how well the planner predicts a step time, and how long its sweep takes, on the CPU.
 
-    python -m cram.bench.plan [--models crammed-bert-tiny,crammed-bert-small,pythia-14m] [--processes 1,2]
+    python -m cram.bench.plan_accuracy [--models crammed-bert-tiny,crammed-bert-small,pythia-14m] [--processes 1,2]
 
 Three model sizes (1.4 M, 4.7 M and 14 M parameters: sizes a small CPU steps in seconds), each on one
 and on two processes. For each, `recipes/plan.py` sweeps one candidate (plain data parallel on one process, ZeRO-1

@@ -2,7 +2,7 @@
 before anything runs.
 
 It prunes candidates that cannot fit and seeds the micro-batch search near the limit. Model state comes from the
-toolkit's one model of it (`cram.train.memory.model_state_bytes`: what the DeepSpeed engine allocates under the
+toolkit's one model of it (`cram.train.state_memory.model_state_bytes`: what the DeepSpeed engine allocates under the
 emitted config for the ZeRO rows, 4 + 4 + 8 bytes per parameter without ZeRO). Plain DDP on several processes adds
 its gradient buckets (4 bytes per parameter: Accelerate leaves `gradient_as_bucket_view` off), and 16-bit
 autocast keeps a 16-bit copy of every matmul weight for the backward pass (2 bytes each). FSDP2 keeps fp32
@@ -24,7 +24,7 @@ from transformers import GPTNeoXConfig, PretrainedConfig
 
 from cram.plan.models import build_model, builds_under_zero_init
 from cram.plan.space import Candidate
-from cram.train.memory import Part, StateBytes, model_state_bytes
+from cram.train.state_memory import Part, StateBytes, model_state_bytes
 
 # Predictions above the limit by more than this factor are pruned; closer ones are measured (the model is rough).
 PRUNE_MARGIN = 1.25
