@@ -99,48 +99,53 @@ class ImplementationOptions(RunOptions):
 def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
     parser = OptionParser((TrainingOptions, ImplementationOptions), description=summary(__doc__))
     training, implementation = parse_strictly(parser)
-    if training.data is None:
-        training.data = crammed_bert_recipe(training.preset).data
-    if training.data not in ("embedded", READYMADE) and not Path(training.data).exists():
+    data = data_source(training)
+    if data not in ("embedded", READYMADE) and not Path(data).exists():
         raise UserError(
-            f"the data path {training.data} does not exist: give an existing file or folder, 'embedded' or "
-            f"'{READYMADE}'."
+            f"the data path {data} does not exist: give an existing file or folder, 'embedded' or '{READYMADE}'."
         )
     if training.max_steps is not None and training.max_steps <= 0:
         raise UserError(f"--max-steps {training.max_steps} is not a positive number of steps: give one, e.g. 1000.")
     if training.min_steps <= 0:
         raise UserError(f"--min-steps {training.min_steps} is not a positive number of steps: give one, e.g. 300.")
     check_run_options(implementation)
-    if training.target_batch_size is None and not follows_budget(training):
-        training.target_batch_size = crammed_bert_recipe(training.preset).target_batch_size
     return training, implementation
 
 
-def default_micro_batch(training: TrainingOptions, device_type: str) -> int:
-    """The preset's micro-batch, or its CPU one where the ramp follows a budget on the CPU."""
-    recipe = crammed_bert_recipe(training.preset)
-    if device_type == "cpu" and follows_budget(training):
-        return min(recipe.micro_batch_size, recipe.cpu_micro_batch_size)
-    return recipe.micro_batch_size
+def data_source(training: TrainingOptions) -> str:
+    """--data, or the preset's data where it is unset."""
+    return training.data or crammed_bert_recipe(training.preset).data
 
 
-def follows_budget(training: TrainingOptions) -> bool:
-    """Whether the ramp's target is chosen from the budget: small and tiny presets under a wall-clock budget, when
-    no --target-batch-size is given (a step budget fixes the number of steps, so the preset's target stands)."""
-    return crammed_bert_recipe(training.preset).follows_budget and training.max_steps is None and \
-        training.target_batch_size is None
+@dataclass(frozen=True)
+class Batching:
+    """The batch shape a run trains with: the options where given, the preset's recipe where not."""
+
+    micro_batch_size: int  # sequences per forward pass per process
+    target_batch_size: int  # the largest batch of the ramp: its target, or where a budget-following ramp stops
+    follows_budget: bool  # the ramp aims at the largest batch up to the target that leaves --min-steps steps
+
+    @classmethod
+    def resolve(cls, training: TrainingOptions, device_type: str) -> Batching:
+        recipe = crammed_bert_recipe(training.preset)
+        # A step budget fixes the number of steps and a given target fixes the batch, so the preset's target stands.
+        follows = recipe.follows_budget and training.max_steps is None and training.target_batch_size is None
+        micro = training.micro_batch_size
+        if micro is None:
+            micro = recipe.cpu_micro_batch_size if device_type == "cpu" and follows else recipe.micro_batch_size
+        return cls(micro, training.target_batch_size or recipe.target_batch_size, follows)
 
 
 def load_data(
-    training: TrainingOptions, config: CrammedBertConfig, cache_dir: str | None, accelerator: Accelerator
+    source: str, config: CrammedBertConfig, cache_dir: str | None, accelerator: Accelerator
 ) -> PreparedData | ReadymadeData:
     """The prepared set: each machine's first process prepares it (or finds it cached) while the others wait;
     or the ready-made one, streamed."""
-    if training.data == READYMADE or is_readymade_folder(training.data):
-        return open_readymade(training.data, cache_dir)  # reads footers only; the Hub client locks its downloads
-    if training.data != "embedded" and is_prepared(training.data):
-        return load_prepared(training.data)
-    options = DataOptions(sources=[training.data], vocab_size=config.vocab_size, seq_len=config.max_position_embeddings)
+    if source == READYMADE or is_readymade_folder(source):
+        return open_readymade(source, cache_dir)  # reads footers only; the Hub client locks its downloads
+    if source != "embedded" and is_prepared(source):
+        return load_prepared(source)
+    options = DataOptions(sources=[source], vocab_size=config.vocab_size, seq_len=config.max_position_embeddings)
     target = prepared_path(options, cache_dir)
     return local_main_first(
         accelerator, lambda: prepare(options, cache_dir=cache_dir), ready=lambda: is_prepared(target))
@@ -172,13 +177,12 @@ def main() -> None:
     budget_seconds = parse_budget(training.budget)
     run = RecipeRun("cram", implementation)
     accelerator = run.accelerator
-    if training.micro_batch_size is None:
-        training.micro_batch_size = default_micro_batch(training, run.device_type)
-    largest_target = training.target_batch_size or crammed_bert_recipe(training.preset).target_batch_size
-    sequences_per_micro_batch = training.micro_batch_size * accelerator.num_processes
+    batching = Batching.resolve(training, run.device_type)
+    micro_batch = batching.micro_batch_size
+    sequences_per_micro_batch = micro_batch * accelerator.num_processes
     # The largest target must be whole micro-batches on every process; a budget-following ramp aims at most there.
-    full = full_accumulation(largest_target, training.micro_batch_size, accelerator.num_processes)
-    configure_deepspeed(accelerator, training.micro_batch_size, full * sequences_per_micro_batch,
+    full = full_accumulation(batching.target_batch_size, micro_batch, accelerator.num_processes)
+    configure_deepspeed(accelerator, micro_batch, full * sequences_per_micro_batch,
                         training.max_grad_norm)
     plugin = accelerator.state.deepspeed_plugin
     check_optimizer_for_deepspeed(plugin and plugin.deepspeed_config, training.optimizer == "adamw-8bit")
@@ -187,15 +191,15 @@ def main() -> None:
 
     # Build: data (cached, not counted against the budget), model, optimizer.
     config = crammed_bert_recipe(training.preset).model_config()
-    data = load_data(training, config, implementation.cache_dir, accelerator)
+    data = load_data(data_source(training), config, implementation.cache_dir, accelerator)
     if run.is_main_process:
         print(describe_data(data))
     config.vocab_size = len(data.tokenizer)
     config.max_position_embeddings = data.stats["seq_len"]  # not read off a block: a streamed set would fetch one
-    if len(data.dataset) < training.micro_batch_size:
+    if len(data.dataset) < micro_batch:
         raise UserError(
             f"the data has {len(data.dataset)} blocks, fewer than one micro-batch of "
-            f"{training.micro_batch_size}: give more text or a smaller --micro-batch-size."
+            f"{micro_batch}: give more text or a smaller --micro-batch-size."
         )
     model = CrammedBertForMaskedLM(config)
     if implementation.activation_checkpointing:
@@ -212,7 +216,8 @@ def main() -> None:
         "budget_seconds": budget_seconds,
         "max_steps": training.max_steps,
         "full_accumulation": full,
-        "ramp_target": "follows the budget" if follows_budget(training) else training.target_batch_size,
+        "micro_batch_size": micro_batch,
+        "ramp_target": "follows the budget" if batching.follows_budget else batching.target_batch_size,
         "vocab_size": config.vocab_size,
         "data": str(data.path),
     })
@@ -220,24 +225,23 @@ def main() -> None:
     collator = MaskedLMCollator.for_tokenizer(data.tokenizer, config.sparse_prediction, seed=training.seed)
     if isinstance(data, ReadymadeData):
         loader = readymade_loader(
-            data.dataset, collator, start=state.sequences, micro_batch_size=training.micro_batch_size,
+            data.dataset, collator, start=state.sequences, micro_batch_size=micro_batch,
             process_index=accelerator.process_index, num_processes=accelerator.num_processes,
             pin_memory=run.device_type == "cuda")
     else:
         loader = stream_loader(
-            data.dataset, collator, start=state.sequences, micro_batch_size=training.micro_batch_size,
+            data.dataset, collator, start=state.sequences, micro_batch_size=micro_batch,
             process_index=accelerator.process_index, num_processes=accelerator.num_processes,
             num_workers=run.num_workers, pin_memory=run.device_type == "cuda")
     batches = iter(loader)
-    sequences_per_micro_step = training.micro_batch_size * accelerator.num_processes
     if training.max_steps and run.is_main_process:
         print(describe_passes(passes_by_steps(
             len(data.dataset), training.max_steps,
-            lambda progress: ramp_accumulation(progress, full, training.ramp_end) * sequences_per_micro_step,
+            lambda progress: ramp_accumulation(progress, full, training.ramp_end) * sequences_per_micro_batch,
         ), len(data.dataset)))
     elif run.is_main_process:
         batches = report_passes_once_timed(batches, blocks=len(data.dataset),
-                                           sequences_per_batch=sequences_per_micro_step,
+                                           sequences_per_batch=sequences_per_micro_batch,
                                            budget_seconds=budget_seconds, report=tqdm.write)  # above the bar
     flops_per_token = crammed_bert_flops_per_token(
         config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.vocab_size,
@@ -248,11 +252,11 @@ def main() -> None:
     # summary, curves, model card, Hub.
     card = dict(
         model=f"crammed BERT ({training.preset})", config=config,
-        data=f"{training.data} ({len(data.dataset):,} blocks of {config.max_position_embeddings} tokens)",
+        data=f"{data_source(training)} ({len(data.dataset):,} blocks of {config.max_position_embeddings} tokens)",
         budget=f"{training.max_steps} optimizer steps" if training.max_steps else training.budget,
     )
     clock = StepClock(training.max_steps) if training.max_steps else BudgetClock(budget_seconds)
-    if follows_budget(training):
+    if batching.follows_budget:
         accumulation_at = BudgetRamp(state, full, sequences_per_micro_batch, budget_seconds, training.ramp_end,
                                      training.min_steps)
     else:

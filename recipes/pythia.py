@@ -167,7 +167,7 @@ def main() -> None:
     # Parse: everything a user can get wrong is checked before any step runs.
     training, implementation = parse_options()
     recipe = pythia_recipe(training.size)
-    implementation.precision, departure = choose_precision(recipe, implementation.precision, launch_device_type())
+    precision, departure = choose_precision(recipe, implementation.precision, launch_device_type())
     max_steps = training.max_steps or recipe.train_steps  # the schedule's length, which sizes the index too
     stop_at = training.stop_at_step or max_steps
     revision_steps = parse_revision_steps(implementation.revision_steps, pythia_checkpoint_steps(), stop_at)
@@ -176,7 +176,7 @@ def main() -> None:
     peak_lr = training.lr or recipe.peak_lr
     config = pythia_config(training.size, max_position_embeddings=max(seq_len, recipe.seq_len))
     config.vocab_size = training.vocab_size or config.vocab_size
-    run = RecipeRun("pythia", implementation)
+    run = RecipeRun("pythia", implementation, precision=precision)
     accelerator = run.accelerator
     accumulation = full_accumulation(global_batch, training.micro_batch_size, accelerator.num_processes)
     configure_deepspeed(accelerator, training.micro_batch_size, global_batch, recipe.max_grad_norm)

@@ -207,15 +207,18 @@ def test_a_run_under_the_budget_following_ramp_takes_at_least_the_minimum_steps(
 def test_the_presets_ramp_target_follows_a_wall_clock_budget_and_the_papers_model_keeps_8192(monkeypatch):
     recipe = load_recipe(REPO / "recipes" / "cram.py", "cram_recipe_budget")
     for arguments, follows, target in [
-        (["--preset", "tiny", "--budget", "2m"], True, None),
-        (["--preset", "small", "--budget", "5m"], True, None),
+        (["--preset", "tiny", "--budget", "2m"], True, 256),
+        (["--preset", "small", "--budget", "5m"], True, 1024),
         (["--preset", "small", "--budget", "5m", "--target-batch-size", "512"], False, 512),
         (["--preset", "tiny", "--max-steps", "20"], False, 256),
         (["--budget", "1m"], False, 8192),
     ]:
         monkeypatch.setattr(sys, "argv", ["cram.py", *arguments])
         training, _ = recipe.parse_options()
-        assert recipe.follows_budget(training) == follows and training.target_batch_size == target, arguments
+        batching = recipe.Batching.resolve(training, "cuda")
+        assert (batching.follows_budget, batching.target_batch_size) == (follows, target), arguments
+        given = dict(zip(arguments, arguments[1:])).get("--target-batch-size")
+        assert training.target_batch_size == (given and int(given))  # the parsed options keep what the user gave
     assert recipe.TrainingOptions().min_steps == 300
 
 
@@ -234,8 +237,8 @@ def test_on_the_cpu_a_budget_following_preset_takes_micro_batches_of_16(monkeypa
     ]:
         monkeypatch.setattr(sys, "argv", ["cram.py", *arguments])
         training, _ = recipe.parse_options()
-        assert training.micro_batch_size is None  # resolved once the device is known
-        assert recipe.default_micro_batch(training, device_type) == micro, (arguments, device_type)
+        assert training.micro_batch_size is None  # the parsed options keep what the user gave
+        assert recipe.Batching.resolve(training, device_type).micro_batch_size == micro, (arguments, device_type)
 
 
 def test_the_pace_leaves_out_the_sessions_first_step_once_others_are_timed():

@@ -48,12 +48,14 @@ def test_the_cram_recipes_defaults_come_from_the_recipe(cram_recipe, preset):
     assert (defaults["lr"], (defaults["beta1"], defaults["beta2"]), defaults["eps"], defaults["weight_decay"],
             defaults["max_grad_norm"], defaults["ramp_end"]) == (
         recipe.lr, recipe.betas, recipe.eps, recipe.weight_decay, recipe.max_grad_norm, recipe.ramp_end)
-    assert cram_recipe.default_micro_batch(training, "cuda") == recipe.micro_batch_size
-    assert cram_recipe.follows_budget(training) is False  # a step budget fixes the steps
-    budgeted = cram_recipe.TrainingOptions(preset=preset)
-    assert cram_recipe.follows_budget(budgeted) is recipe.follows_budget
-    assert cram_recipe.default_micro_batch(budgeted, "cpu") == (
+    stepped = cram_recipe.Batching.resolve(training, "cuda")
+    assert (stepped.micro_batch_size, stepped.target_batch_size) == (recipe.micro_batch_size, recipe.target_batch_size)
+    assert stepped.follows_budget is False  # a step budget fixes the steps
+    budgeted = cram_recipe.Batching.resolve(cram_recipe.TrainingOptions(preset=preset), "cpu")
+    assert budgeted.follows_budget is recipe.follows_budget
+    assert budgeted.micro_batch_size == (
         recipe.cpu_micro_batch_size if recipe.follows_budget else recipe.micro_batch_size)
+    assert cram_recipe.data_source(training) == recipe.data
 
 
 def test_the_planner_plans_the_papers_run_with_the_recipes_model():

@@ -18,6 +18,7 @@ import time
 import torch
 
 from cram.models.crammed_bert import PRESETS, CrammedBertConfig, CrammedBertForMaskedLM
+from cram.models.crammed_bert_recipe import crammed_bert_recipe
 from cram.train.optim import build_adamw
 
 SEQ_LEN = 128
@@ -28,7 +29,7 @@ def seconds_per_sequence(preset: str, sizes: list[int], rounds: int, vocab_size:
     torch.manual_seed(0)
     config = CrammedBertConfig.from_preset(preset, vocab_size=vocab_size, max_position_embeddings=SEQ_LEN)
     model = CrammedBertForMaskedLM(config)
-    optimizer = build_adamw(model, 1e-3, (0.9, 0.98), 1e-12, 0.01)
+    optimizer = build_adamw(model, *crammed_bert_recipe(preset).adamw_settings)
 
     def step(size: int) -> None:
         input_ids = torch.randint(5, vocab_size, (size, SEQ_LEN))
@@ -56,10 +57,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", default="small", choices=list(PRESETS))
     parser.add_argument("--sizes", nargs="+", type=int, default=[8, 16, 32, 64], help="micro-batch sizes to time")
     parser.add_argument("--rounds", type=int, default=6, help="timed rounds, two steps of each size per round")
-    parser.add_argument("--vocab", type=int, default=8192, help="vocabulary size (the small presets' is 8192)")
+    parser.add_argument("--vocab", type=int, default=None, help="vocabulary size; unset means the preset's")
     options = parser.parse_args(argv)
     sizes = sorted(set(options.sizes))
-    medians = seconds_per_sequence(options.preset, sizes, options.rounds, options.vocab)
+    vocab_size = options.vocab or PRESETS[options.preset]["vocab_size"]
+    medians = seconds_per_sequence(options.preset, sizes, options.rounds, vocab_size)
     largest = medians[sizes[-1]]
     print(f"{options.preset}, {torch.get_num_threads()} threads, one update per micro-batch of {SEQ_LEN}-token blocks")
     print(f"| micro-batch | ms per sequence | speed per sequence vs {sizes[-1]} |")

@@ -119,6 +119,7 @@ def held_out_loss(model: torch.nn.Module, work: Path) -> float:
 
 def run_cram(work: Path, prepared: Path, minutes: float, preset: str, seed: int) -> dict:
     from cram.models.crammed_bert import CrammedBertForMaskedLM
+    from cram.models.crammed_bert_recipe import crammed_bert_recipe
 
     output_dir = work / f"cram-{preset}-seed{seed}"
     command = [
@@ -132,8 +133,9 @@ def run_cram(work: Path, prepared: Path, minutes: float, preset: str, seed: int)
     summary = json.loads((output_dir / "summary.json").read_text())
     model = CrammedBertForMaskedLM.from_pretrained(output_dir / "final")
     return {
-        "name": f"cram recipe (crammed BERT, {preset})", "preset": preset, "seed": seed, "lr": 1e-3,
-        "minutes": minutes, "optimizer_steps": summary["optimizer_steps"], "sequences": summary["sequences"],
+        "name": f"cram recipe (crammed BERT, {preset})", "preset": preset, "seed": seed,
+        "lr": crammed_bert_recipe(preset).lr, "minutes": minutes,
+        "optimizer_steps": summary["optimizer_steps"], "sequences": summary["sequences"],
         "largest_batch": max(row["batch_size"] for row in summary["history"]),
         "train_seconds": summary["seconds"], "held_out_loss": held_out_loss(model, work),
         "curve": [(row["elapsed"], row["loss"]) for row in summary["history"]],

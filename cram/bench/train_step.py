@@ -49,7 +49,10 @@ from cram.data import SPECIAL_TOKENS
 from cram.data.collator import MaskedLMCollator
 from cram.devices import cpu_has_bf16_units
 from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM, attention_path_for
+from cram.models.crammed_bert_recipe import crammed_bert_recipe
 from cram.train.optim import build_adamw
+
+PAPER_ADAMW = crammed_bert_recipe("crammed-bert").adamw_settings  # every contender takes the paper's optimizer
 
 
 def wordpiece_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
@@ -201,15 +204,15 @@ def main() -> None:
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="sdpa",
     )).to(device)
     contenders = {
-        "crammed BERT": (crammed, build_adamw(crammed, 1e-3, (0.9, 0.98), 1e-12, 0.01),
+        "crammed BERT": (crammed, build_adamw(crammed, *PAPER_ADAMW),
                          MaskedLMCollator.for_tokenizer(tokenizer, mask_fraction=0.25)),
-        "HF BertForMaskedLM": (baseline, trainer_default_optimizer(baseline, 1e-3, (0.9, 0.98), 1e-12, 0.01),
+        "HF BertForMaskedLM": (baseline, trainer_default_optimizer(baseline, *PAPER_ADAMW),
                                DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.25)),
     }
     if args.original is not None:
         original = OriginalOutputs(original_crammed_bert(
             args.original, args.layers, args.hidden, args.heads, args.vocab, args.seq_len)).to(device)
-        contenders["original cramming"] = (original, build_adamw(original, 1e-3, (0.9, 0.98), 1e-12, 0.01),
+        contenders["original cramming"] = (original, build_adamw(original, *PAPER_ADAMW),
                                            MaskedLMCollator.for_tokenizer(tokenizer, mask_fraction=0.25))
     if args.compile:  # the same modules, parameters and optimizers, called through the compiled wrapper
         contenders.update({f"{name}, compiled": (torch.compile(model), optimizer, collator)

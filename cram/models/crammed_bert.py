@@ -43,6 +43,7 @@ PRESETS: dict[str, dict] = {
     "small": dict(vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024),
     "tiny": dict(vocab_size=8192, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
 }
+PAPER_SHAPE = PRESETS["crammed-bert"]  # the config's defaults, so a bare CrammedBertConfig() is the paper's model
 
 
 class CrammedBertConfig(PretrainedConfig):
@@ -58,11 +59,11 @@ class CrammedBertConfig(PretrainedConfig):
 
     def __init__(
         self,
-        vocab_size: int = 32768,
-        hidden_size: int = 768,
-        num_hidden_layers: int = 16,
-        num_attention_heads: int = 12,
-        intermediate_size: int = 3072,
+        vocab_size: int = PAPER_SHAPE["vocab_size"],
+        hidden_size: int = PAPER_SHAPE["hidden_size"],
+        num_hidden_layers: int = PAPER_SHAPE["num_hidden_layers"],
+        num_attention_heads: int = PAPER_SHAPE["num_attention_heads"],
+        intermediate_size: int = PAPER_SHAPE["intermediate_size"],
         max_position_embeddings: int = 128,
         layer_norm_eps: float = 1e-12,
         initializer_range: float = 0.02,

@@ -42,6 +42,11 @@ class CrammedBertRecipe:
     weight_decay: float = 0.01  # train/bert-o4.yaml: optim.weight_decay (limited_decay_keys: none on biases, norms)
     max_grad_norm: float = 0.5  # train/bert-o4.yaml: gradient_clipping
 
+    @property
+    def adamw_settings(self) -> tuple[float, tuple[float, float], float, float]:
+        """(lr, betas, eps, weight_decay), in `cram.train.optim.build_adamw`'s order."""
+        return self.lr, self.betas, self.eps, self.weight_decay
+
     def model_config(self, **overrides) -> CrammedBertConfig:
         """The preset's model as pretraining builds it: dropout off (train/bert-o4.yaml: pretrain_in_train_mode
         False), any field overridden."""

@@ -132,12 +132,15 @@ class RecipeRun:
         session.train(batches, clock, tokenizer=..., card=..., peak_lr=..., ...)
     """
 
-    def __init__(self, project: str, options: RunOptions):
+    def __init__(self, project: str, options: RunOptions, precision: Precision | None = None):
+        """`precision`: the choice a recipe resolved from its own option (Pythia's `released`); unset means
+        `options.precision`."""
         self.project = project
         self.options = options
         self.output_dir = Path(options.output_dir)
+        self.precision = precision or options.precision
         self.accelerator = build_accelerator(
-            options.precision, options.compile, None if options.report_to == "none" else options.report_to,
+            self.precision, options.compile, None if options.report_to == "none" else options.report_to,
             str(self.output_dir), options.collective_timeout_minutes,
         )
         self.device_type = self.accelerator.device.type
@@ -189,6 +192,7 @@ class RecipeRun:
             "implementation": dataclasses.asdict(self.options),
             "resolved": {
                 **resolved,
+                "precision": self.precision,
                 "mixed_precision": accelerator.mixed_precision,
                 "compile": self.use_compile,
                 "compile_reason": compile_reason(self.options.compile, self.device_type),
