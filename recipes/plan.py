@@ -28,10 +28,8 @@ from transformers import PretrainedConfig
 from cram.cli import OptionParser, option, parse_strictly, summary
 from cram.devices import cpu_has_bf16_units
 from cram.errors import UserError, run_cli
-from cram.plan.cost import hardware_price, parse_target, predicted_step_seconds, project
-from cram.plan.emit import launch_command, recipe_flags, write_pair
+from cram.plan.cost import hardware_price, parse_target, predicted_step_seconds
 from cram.plan.models import (
-    CRAMMED_BERT_PRESETS,
     MODEL_NAMES,
     check_model_name,
     flops_per_token,
@@ -41,30 +39,24 @@ from cram.plan.models import (
     recipe_for,
 )
 from cram.plan.peak_memory import PRUNE_MARGIN, Shape, predicted_bytes
-from cram.plan.report import markdown_table, write_reports
-from cram.plan.space import OPTIMIZERS, Candidate, candidate_space, select_candidates
-from cram.plan.sweep import (
-    Setting,
-    add_estimates,
-    clear_launch_files,
-    launch_probe,
-    leading_candidates,
-    sweep,
-    time_side_by_side,
+from cram.plan.pick import (
+    LEFT_OUT_OF_DAYS,
+    emit_winner,
+    pick,
+    report_projection,
+    say_pick,
+    time_leaders_again,
+    verify,
 )
+from cram.plan.rank import add_estimates
+from cram.plan.report import markdown_table, write_reports
+from cram.plan.space import OPTIMIZERS, candidate_space, select_candidates
+from cram.plan.sweep import Setting, sweep
 from cram.plan.timing import matmul_flops
 from cram.train.accelerator import launch_device_type
 from cram.train.run import RunOptions, default_num_workers
 from cram.train.throughput import gpu_for_device_name, peak_flops_for_name
 
-# What `days` does not include yet: labelled in the table and the printed estimate.
-LEFT_OUT_OF_DAYS = (
-    "reading the run's own data: the probe reads the embedded corpus, prepared on disk (memory-mapped), with the "
-    "run's loader workers; a Pythia run reads its --data, crammed-bert's default streams pile-readymade from the Hub",
-    "the final model's export after the last step",
-    "crammed BERT's ramp: a step of a micro-batches is taken as a × the final batch's time per micro-batch (the "
-    "optimizer step's fixed cost weighs more in the ramp's small steps, so they are counted a little too many)",
-)
 # The recipes' own interval of time-based training-state saves (--checkpoint-every-minutes).
 RECIPE_CHECKPOINT_MINUTES = next(field.default for field in dataclasses.fields(RunOptions)
                                  if field.name == "checkpoint_every_minutes")
@@ -131,10 +123,8 @@ def available_memory_bytes() -> int:
 def parse_options() -> PlanOptions:
     (options,) = parse_strictly(OptionParser(PlanOptions, description=summary(__doc__)))
     check_model_name(options.model)
-    recipe = recipe_for(options.model)
-    options.seq_len = options.seq_len or recipe.seq_len
-    options.global_batch_size = options.global_batch_size or recipe.global_batch_size
-    if options.seq_len <= 0 or options.global_batch_size <= 0:
+    if options.seq_len is not None and options.seq_len <= 0 or \
+            options.global_batch_size is not None and options.global_batch_size <= 0:
         raise UserError("--seq-len and --global-batch-size must be positive: give e.g. --seq-len 128.")
     if options.spread_bound < 0 or options.price_per_gpu_hour is not None and options.price_per_gpu_hour < 0 \
             or options.checkpoint_every_minutes < 0 or options.num_workers is not None and options.num_workers < 0 \
@@ -154,12 +144,6 @@ def parse_options() -> PlanOptions:
     return options
 
 
-def recipe_command_parts(model: str) -> tuple[str, list[str]]:
-    if model in CRAMMED_BERT_PRESETS:
-        return "recipes/cram.py", [f"--preset {CRAMMED_BERT_PRESETS[model]}"]
-    return "recipes/pythia.py", [f"--size {model}", "--data DATA"]  # DATA: the user's, e.g. the Pile's prefix
-
-
 def main() -> None:
     # Parse: the launch says where to run; the options say what to plan.
     options = parse_options()
@@ -167,9 +151,12 @@ def main() -> None:
     if int(os.environ.get("RANK", "0")) != 0:
         return  # the launch only chose the hardware; rank 0 launches every candidate on all of it
     use_cpu = launch_device_type() == "cpu"
-    if options.global_batch_size % num_processes:
-        raise UserError(f"the global batch {options.global_batch_size} is not divisible by the {num_processes} "
-                        f"processes: give a --global-batch-size that is a multiple of {num_processes}.")
+    recipe = recipe_for(options.model)
+    seq_len = options.seq_len or recipe.seq_len
+    global_batch = options.global_batch_size or recipe.global_batch_size
+    if global_batch % num_processes:
+        raise UserError(f"the global batch {global_batch} is not divisible by the {num_processes} processes: give a "
+                        f"--global-batch-size that is a multiple of {num_processes}.")
     device = "CPU" if use_cpu else torch.cuda.get_device_name(0)
     num_workers = (options.num_workers if options.num_workers is not None
                    else default_num_workers("cpu" if use_cpu else "cuda"))
@@ -182,145 +169,83 @@ def main() -> None:
         limit = available_memory_bytes() // num_processes
     else:
         limit = torch.cuda.get_device_properties(0).total_memory
-    recipe = recipe_for(options.model)
-    config = model_config(options.model, options.seq_len)
+    config = model_config(options.model, seq_len)
+    layer_class = layer_class_name(config)
     activation_bytes = 2 if not use_cpu or cpu_has_bf16_units() else 4
-    shape = Shape.of(config, options.seq_len, num_processes, use_cpu, activation_bytes)
+    shape = Shape.of(config, seq_len, num_processes, use_cpu, activation_bytes)
     host_limit = (parse_size(options.host_memory_limit) if options.host_memory_limit is not None
                   else available_memory_bytes())
     space = candidate_space(num_processes, tuple(options.optimizers.split(",")))
     candidates = select_candidates(space, [name for name in options.candidates.split(",") if name])
     check_something_fits(space, shape, limit, num_processes)
     output_dir = Path(options.output_dir)
-    setting = Setting(options.model, options.seq_len, options.global_batch_size, num_processes, use_cpu, device,
+    setting = Setting(options.model, seq_len, global_batch, num_processes, use_cpu, device,
                       limit if options.memory_limit is not None else None, options.warmup_steps, options.timed_steps,
                       max(options.max_timed_steps, options.timed_steps), options.spread_bound, num_workers)
 
-    # Run: one launch per candidate that may fit.
-    print(f"planning {options.model} ({shape.parameters:,} parameters, {options.global_batch_size} × "
-          f"{options.seq_len} tokens per step) on {num_processes} × {device}, {limit / 2**30:.2f} GiB per device; "
+    # Run: one launch per candidate that may fit, then the leaders again side by side.
+    print(f"planning {options.model} ({shape.parameters:,} parameters, {global_batch} × {seq_len} tokens per step) "
+          f"on {num_processes} × {device}, {limit / 2**30:.2f} GiB per device; "
           f"{len(candidates)} of {len(space)} candidates")
-    rows = sweep(candidates, setting, shape, limit, output_dir, layer_class_name(config), options.candidate_timeout,
+    rows = sweep(candidates, setting, shape, limit, output_dir, layer_class, options.candidate_timeout,
                  host_limit_bytes=host_limit, retry_failed=options.retry_failed,
-                 predicted_step_seconds=predict_step_seconds(config, options, num_processes, use_cpu, device),
+                 predicted_step_seconds=predict_step_seconds(config, setting, device),
                  paired_rounds=options.paired_rounds, verify_steps=options.verify_steps if options.verify else 0)
     gpu = None if use_cpu else gpu_for_device_name(device)
     price = hardware_price(num_processes, gpu) if gpu else None
-    steps = recipe.steps
 
     def estimate(rows: list[dict]) -> list[dict]:
-        return add_estimates(rows, steps, recipe.budget_hours, options.global_batch_size * options.seq_len, price,
+        return add_estimates(rows, recipe.steps, recipe.budget_hours, global_batch * seq_len, price,
                              options.price_per_gpu_hour, checkpoint_steps=recipe.checkpoint_steps,
                              checkpoint_every_seconds=options.checkpoint_every_minutes * 60,
                              ramp_end=recipe.ramp_end)
 
     rows = estimate(rows)
-    leaders = leading_candidates(rows) if options.paired_rounds else []
-    if leaders:  # the pick from measurements of one sitting, not from timings taken under different loads
-        by_name = {candidate.name: candidate for candidate in candidates}
-        time_side_by_side(leaders, options.paired_rounds, lambda row: time_again(
-            row, by_name[row["candidate"]], options, setting, output_dir, layer_class_name(config), shape))
-        rows = estimate(rows)
+    if options.paired_rounds:
+        rows = time_leaders_again(rows, candidates, setting, options.paired_rounds, output_dir, layer_class, shape,
+                                  options.candidate_timeout, estimate)
 
     # Report: table, chart, the winner's config pair and command, projection, verification.
-    shrunk = (options.seq_len, options.global_batch_size) != (recipe.seq_len, recipe.global_batch_size)
+    shrunk = (seq_len, global_batch) != (recipe.seq_len, recipe.global_batch_size)
     title = (f"{options.model} on {num_processes} × {device}: "
-             f"{f'{steps:,} steps' if steps else f'{recipe.budget_hours:g} h budget'}"
+             f"{f'{recipe.steps:,} steps' if recipe.steps else f'{recipe.budget_hours:g} h budget'}"
              f"{' (smoke shape: --seq-len/--global-batch-size changed)' if shrunk else ''}")
     plan = {"title": title, "setting": vars(setting), "memory_limit_bytes": limit, "parameters": shape.parameters,
             "hardware_price_usd": price, "rows": rows, "left_out_of_days": list(LEFT_OUT_OF_DAYS)}
     print("\n" + markdown_table(rows))
-    winner = next((row for row in rows if row["status"] == "ok"), None)
-    if winner is None:
-        write_reports(plan, output_dir)
-        failed = [row["candidate"] for row in rows if row["status"] == "error"]
-        if failed:
-            raise UserError(f"no candidate ran, and {', '.join(failed)} failed with an error that is not out of "
-                            f"memory: see {output_dir / 'plan.md'} for each cause, fix it, then plan again with "
-                            "--retry-failed.")
-        raise UserError(f"no candidate fits: see {output_dir / 'plan.md'} for each reason, then give more memory "
-                        "(--memory-limit), more devices, or a shorter --seq-len.")
-    winning = next(candidate for candidate in candidates if candidate.name == winner["candidate"])
-    accelerate_file = write_pair(winning, output_dir, num_processes, use_cpu, layer_class_name(config),
-                                 config.hidden_size, shape.zero_init)
-    recipe_script, model_flags = recipe_command_parts(options.model)
-    flags = recipe_flags(winning, winner["micro_batch"], options.global_batch_size, is_causal(options.model))
+    winner, winning = pick(rows, candidates, plan, output_dir)
+    carried = []  # what the timed steps ran with, where it is not the recipe's own default
     if options.checkpoint_every_minutes != RECIPE_CHECKPOINT_MINUTES:  # the saves the days count
-        flags.append(f"--checkpoint-every-minutes {options.checkpoint_every_minutes:g}")
-    if options.num_workers is not None:  # the workers the steps were timed with
-        flags.append(f"--num-workers {options.num_workers}")
-    command = launch_command(accelerate_file, recipe_script, model_flags, flags)
+        carried.append(f"--checkpoint-every-minutes {options.checkpoint_every_minutes:g}")
+    if options.num_workers is not None:
+        carried.append(f"--num-workers {options.num_workers}")
+    accelerate_file, command = emit_winner(winner, winning, setting, shape, layer_class, output_dir, carried)
     plan["winner"] = {"candidate": winning.name, "accelerate_config": str(accelerate_file), "command": command}
-    days = winner["days"]
-    tied = [row["candidate"] for row in rows if row.get("tie") and row is not winner]
-    print(f"picked: {winning.name}, {winner['step_time']['median']:.3f} s per step "
-          f"± {winner['step_time']['spread']:.1%}, {describe_saves(winner)} -> {days:.2f} days"
-          + (f" ({winner['steps_in_budget']:,} steps in the budget, the batch ramp integrated)"
-             if "steps_in_budget" in winner else "")
-          + (f", ${winner['cost_usd']:,.0f} amortised" if winner.get("cost_usd") is not None else
-             " (no price: this hardware is not in the price table)")
-          + (f", ${winner['cloud_cost_usd']:,.0f} at ${options.price_per_gpu_hour:g} per GPU-hour"
-             if winner.get("cloud_cost_usd") is not None else ""))
-    print(f"days leave out: {'; '.join(LEFT_OUT_OF_DAYS)}")
-    if tied:
-        print(f"a tie: {', '.join(tied)} time within the noise of {winning.name}, timed side by side (their "
-              f"median ± half the interquartile range overlap); picked the lower median")
-    failed = [row for row in rows if row["status"] == "error"]
-    if failed:
-        print(f"failed, not out of memory (see {output_dir / 'plan.md'}): "
-              + "; ".join(f"{row['candidate']}: {row['reason']}" for row in failed))
+    say_pick(winner, rows, options.price_per_gpu_hour, output_dir)
     print(f"run it with:\n    {command}" + ("\n(DATA: your training data, as recipes/pythia.py --help describes)"
                                              if is_causal(options.model) else ""))
     if options.target is not None:
-        plan["projection"] = report_projection(options.target, winner, steps, device)
+        plan["projection"] = report_projection(options.target, winner, recipe.steps, device)
     if options.verify:
-        plan["verify"] = verify(winner, winning, options, accelerate_file, output_dir, setting.num_workers)
+        plan["verify"] = verify(winner, winning, setting, options.verify_steps, accelerate_file, output_dir,
+                                options.candidate_timeout)
     write_reports(plan, output_dir)
     print(f"table: {output_dir / 'plan.md'}, chart: {output_dir / 'plan.png'}, data: {output_dir / 'plan.json'}")
 
 
-def predict_step_seconds(config: PretrainedConfig, options: PlanOptions, num_processes: int, use_cpu: bool,
-                         device: str) -> float | None:
+def predict_step_seconds(config: PretrainedConfig, setting: Setting, device: str) -> float | None:
     """A step's seconds before any is measured (`cram.plan.cost.predicted_step_seconds`): from the GPU table's
     peak, or on the CPU from this process's matrix-product rate (the processes share the cores); None for a GPU
     the table does not hold."""
-    if use_cpu:
+    if setting.use_cpu:
         peak = matmul_flops(torch.bfloat16 if cpu_has_bf16_units() else torch.float32)
     else:
         one_device = peak_flops_for_name(device)
         if one_device is None:
             return None
-        peak = one_device * num_processes
-    return predicted_step_seconds(options.global_batch_size * options.seq_len,
-                                  flops_per_token(config, options.seq_len), peak)
-
-
-def time_again(row: dict, candidate: Candidate, options: PlanOptions, setting: Setting, output_dir: Path,
-               layer_class: str, shape: Shape) -> dict:
-    """One launch of the side-by-side timing: the candidate's pair at its measured micro-batch, warm-up and
-    --timed-steps timed steps."""
-    folder = output_dir / "side-by-side"
-    accelerate_file = write_pair(candidate, folder / "pairs", setting.num_processes, setting.use_cpu, layer_class,
-                                 shape.hidden, shape.zero_init)
-    result_file = folder / f"{candidate.name}.json"
-    request = {
-        "mode": "time", "model": options.model, "candidate": candidate.to_dict(), "seq_len": options.seq_len,
-        "global_batch_size": options.global_batch_size, "memory_limit_bytes": row["memory_limit_bytes"],
-        "micro_batch": row["micro_batch"], "warmup_steps": options.warmup_steps,
-        "timed_steps": options.timed_steps, "max_timed_steps": options.timed_steps, "spread_bound": 0.0,
-        "precision": "auto", "compile": "auto", "cache_dir": os.environ.get("CRAM_CACHE"),
-        "num_workers": setting.num_workers, "result": str(result_file),
-    }
-    clear_launch_files(result_file)
-    return launch_probe(accelerate_file, request, folder / f"{candidate.name}.request.json",
-                        options.candidate_timeout)
-
-
-def describe_saves(row: dict) -> str:
-    if row["saves"] == 0:
-        return "no training-state saves"
-    return (f"{row['saves']} training-state saves of {row['save_seconds']:.2f} s "
-            f"({row['save_days'] * 24:.2f} h)")
+        peak = one_device * setting.num_processes
+    return predicted_step_seconds(setting.global_batch_size * setting.seq_len,
+                                  flops_per_token(config, setting.seq_len), peak)
 
 
 def check_something_fits(space, shape: Shape, limit: int, num_processes: int) -> None:
@@ -333,46 +258,6 @@ def check_something_fits(space, shape: Shape, limit: int, num_processes: int) ->
             f"per device: the memory model needs about {needed / 2**30:.2f} GiB, so give --memory-limit "
             f"{needed / 2**30:.1f}GiB or more, more than {num_processes} device(s), or a shorter --seq-len."
         )
-
-
-def report_projection(target: str, winner: dict, steps: int | None, device: str) -> dict:
-    count, gpu = parse_target(target)
-    tokens_per_step = winner["tokens_per_second"] * winner["step_time"]["median"]
-    projection = project(winner["mfu"], tokens_per_step, winner["flops_per_token"], steps, count, gpu, device)
-    assumptions = [*projection.assumptions, "the training-state saves are left out of the projected days (a "
-                   "save's time depends on the target's storage, which nothing here measures)"]
-    print(f"\nPROJECTION (not measured) to {count} × {gpu.key}: {projection.step_seconds:.3f} s per step"
-          + (f", {projection.days:.2f} days" if projection.days is not None else "")
-          + (f", ${projection.cost_usd:,.0f} amortised" if projection.cost_usd is not None else "")
-          + "\nassuming:\n" + "\n".join(f"  - {line}" for line in assumptions))
-    return {"target": target, "label": "projection", "step_seconds": projection.step_seconds,
-            "days": projection.days, "cost_usd": projection.cost_usd, "assumptions": assumptions}
-
-
-def verify(winner: dict, winning, options: PlanOptions, accelerate_file: Path, output_dir: Path,
-           num_workers: int) -> dict:
-    """Launch the emitted pair again for N steps at the winner's micro-batch: predicted against observed."""
-    result_file = output_dir / "verify" / "result.json"
-    clear_launch_files(result_file)
-    request = {
-        "mode": "time", "model": options.model, "candidate": winning.to_dict(), "seq_len": options.seq_len,
-        "global_batch_size": options.global_batch_size, "memory_limit_bytes": winner["memory_limit_bytes"],
-        "micro_batch": winner["micro_batch"], "warmup_steps": options.warmup_steps,
-        "timed_steps": options.verify_steps, "max_timed_steps": max(options.max_timed_steps, options.verify_steps),
-        "spread_bound": options.spread_bound, "precision": "auto", "compile": "auto",
-        "cache_dir": os.environ.get("CRAM_CACHE"), "num_workers": num_workers,
-        "result": str(result_file),
-    }
-    result = launch_probe(accelerate_file, request, output_dir / "verify" / "request.json", options.candidate_timeout)
-    if result["status"] != "ok":
-        raise UserError(f"the --verify run of {winning.name} failed ({result['reason']}): see "
-                        f"{result_file.with_suffix('.log')}.")
-    predicted, observed = winner["step_time"]["median"], result["step_time"]["median"]
-    error = (predicted - observed) / observed
-    print(f"\nverify: {winning.name}, {options.verify_steps} steps: predicted {predicted:.4f} s per step, observed "
-          f"{observed:.4f} s ± {result['step_time']['spread']:.1%}: error {error:+.1%}")
-    return {"predicted_seconds": predicted, "observed_seconds": observed, "error": error,
-            "observed": result["step_time"]}
 
 
 if __name__ == "__main__":

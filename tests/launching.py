@@ -27,7 +27,7 @@ from typing import NoReturn
 import psutil
 import pytest
 
-from cram.plan.sweep import free_port
+from cram.plan.launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE = Path(sys.executable).with_name("accelerate")

@@ -217,7 +217,7 @@ def test_the_presets_ramp_target_follows_a_wall_clock_budget_and_the_papers_mode
         training, _ = recipe.parse_options()
         batching = recipe.Batching.resolve(training, "cuda")
         assert (batching.follows_budget, batching.target_batch_size) == (follows, target), arguments
-        given = dict(zip(arguments, arguments[1:])).get("--target-batch-size")
+        given = dict(zip(arguments, arguments[1:], strict=False)).get("--target-batch-size")
         assert training.target_batch_size == (given and int(given))  # the parsed options keep what the user gave
     assert recipe.TrainingOptions().min_steps == 300
 

@@ -150,7 +150,7 @@ dist.destroy_process_group()
 def test_fsdp1_s_sharded_scaler_gets_the_same_rules():
     """FSDP1 launches (fsdp_version 1) scale through torch's ShardedGradScaler, which all-reduces the overflow
     check: the replacement keeps that kind, in a process group of its own (a subprocess, one rank)."""
-    from cram.plan.sweep import free_port
+    from cram.plan.launch import free_port
 
     completed = run([sys.executable, "-c", SHARDED_RUN, str(Path(__file__).parent), str(free_port())])
     assert completed.returncode == 0, completed.stderr[-3000:]

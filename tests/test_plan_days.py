@@ -20,9 +20,9 @@ from cram.plan.days import (
     training_seconds_in_budget,
 )
 from cram.plan.models import recipe_for
+from cram.plan.rank import add_estimates
 from cram.plan.report import markdown_table
 from cram.plan.space import Candidate
-from cram.plan.sweep import add_estimates
 from cram.plan.timing import MemoryGauge
 from cram.train import checkpoint as checkpoint_module
 from cram.train.accelerator import build_accelerator

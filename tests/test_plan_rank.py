@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from cram.plan import timing
-from cram.plan.report import markdown_table, write_reports
-from cram.plan.space import Candidate
-from cram.plan.sweep import (
+from cram.plan.rank import (
     add_estimates,
     apply_paired_timings,
     leading_candidates,
     paired_order,
     time_side_by_side,
 )
+from cram.plan.report import markdown_table, write_reports
+from cram.plan.space import Candidate
 from cram.plan.timing import SettlingClock, StepTimes
 
 GIB = 2**30

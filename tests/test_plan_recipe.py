@@ -16,7 +16,7 @@ import pytest
 from launching import ACCELERATE, accelerate_launch, run
 
 from cram.plan.days import ramp_steps, saves_in_budget, training_seconds_in_budget
-from cram.plan.sweep import free_port
+from cram.plan.launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 # Two processes, 8 sequences each per micro-step at most: the 2 GiB limit is not the binding one here.

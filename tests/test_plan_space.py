@@ -11,11 +11,13 @@ from launching import load_recipe, run
 
 from cram.errors import UserError
 from cram.plan.cost import GPUS, amortised_cost, hardware_price, parse_target, project
+from cram.plan.launch import launch_probe
 from cram.plan.models import count_parameters, model_config
 from cram.plan.peak_memory import Shape, predicted_bytes, seed_micro_batch, state_bytes
+from cram.plan.pick import recipe_command_parts, report_projection
 from cram.plan.search import Probe, divisors, largest_micro_batch
 from cram.plan.space import Candidate, candidate_space, select_candidates
-from cram.plan.sweep import Setting, launch_probe, sweep
+from cram.plan.sweep import Setting, sweep
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -161,11 +163,11 @@ def test_a_launch_that_fails_is_a_failed_row_with_its_last_error_not_out_of_memo
     assert "NOT_A_TYPE" in row["reason"] or "Error" in row["reason"], row
 
 
-def test_a_projection_is_labelled_and_prints_its_assumptions(plan_recipe, capsys):
+def test_a_projection_is_labelled_and_prints_its_assumptions(capsys):
     # A winner as measured on 4 A100s (device facts this machine cannot produce): 2.1 M tokens per 10 s step.
     winner = {"mfu": 0.35, "tokens_per_second": 2_097_152 / 10.0, "step_time": {"median": 10.0},
               "flops_per_token": 6.5e9}
-    projection = plan_recipe.report_projection("8xh100", winner, 143_000, "NVIDIA A100-SXM4-80GB")
+    projection = report_projection("8xh100", winner, 143_000, "NVIDIA A100-SXM4-80GB")
     printed = capsys.readouterr().out
     assert projection["label"] == "projection" and "PROJECTION (not measured) to 8 × h100" in printed
     assert projection["step_seconds"] == pytest.approx(2_097_152 * 6.5e9 / (0.35 * 8 * 989e12))
@@ -174,7 +176,7 @@ def test_a_projection_is_labelled_and_prints_its_assumptions(plan_recipe, capsys
     assert projection["cost_usd"] == pytest.approx((8 * 30_000 + 10_500) * projection["days"] / (5 * 365))
 
 
-def test_the_printed_command_uses_each_recipes_own_flags(plan_recipe):
+def test_the_printed_command_uses_each_recipes_own_flags():
     from cram.plan.emit import recipe_flags
 
     zero1_ckpt = Candidate("zero1", checkpointing=True)
@@ -182,5 +184,5 @@ def test_the_printed_command_uses_each_recipes_own_flags(plan_recipe):
         "--micro-batch-size 16", "--global-batch-size 1024", "--activation-checkpointing"]
     assert recipe_flags(Candidate(optimizer="adamw-8bit"), 32, 8192, causal=False) == [
         "--micro-batch-size 32", "--target-batch-size 8192", "--optimizer adamw-8bit"]
-    assert plan_recipe.recipe_command_parts("pythia-1b") == ("recipes/pythia.py", ["--size pythia-1b", "--data DATA"])
-    assert plan_recipe.recipe_command_parts("crammed-bert") == ("recipes/cram.py", ["--preset crammed-bert"])
+    assert recipe_command_parts("pythia-1b") == ("recipes/pythia.py", ["--size pythia-1b", "--data DATA"])
+    assert recipe_command_parts("crammed-bert") == ("recipes/cram.py", ["--preset crammed-bert"])

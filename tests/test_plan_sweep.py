@@ -24,22 +24,15 @@ import torch
 from launching import started, wait_until
 
 from cram.errors import UserError
+from cram.plan import launch as launch_module
 from cram.plan import sweep as sweep_module
+from cram.plan.launch import Terminated, rank_failures, run_launch, search_and_time
 from cram.plan.models import model_config
 from cram.plan.peak_memory import Shape
 from cram.plan.probe import CandidateRun, is_out_of_memory
 from cram.plan.report import markdown_table
 from cram.plan.space import Candidate
-from cram.plan.sweep import (
-    Setting,
-    Terminated,
-    build_offload_optimizer,
-    rank_failures,
-    run_launch,
-    search_and_time,
-    sweep,
-    sweep_length,
-)
+from cram.plan.sweep import Setting, build_offload_optimizer, sweep, sweep_length
 
 REPO = Path(__file__).resolve().parents[1]
 # A launcher that starts its worker in a session of its own, as torchrun does, then waits on it.
@@ -83,7 +76,7 @@ def test_ctrl_c_or_sigterm_during_a_launch_ends_its_whole_process_tree(tmp_path,
 
 
 def test_a_launch_in_which_a_process_failed_is_ended_when_it_does_not_end_itself(tmp_path, monkeypatch):
-    monkeypatch.setattr(sweep_module, "FAILURE_GRACE_SECONDS", 1.0)
+    monkeypatch.setattr(launch_module, "FAILURE_GRACE_SECONDS", 1.0)
     pid_file = tmp_path / "worker.pid"
     returncode = run_launch([sys.executable, "-c", TREE, str(pid_file)], tmp_path / "tree.log", timeout=120,
                             failed=pid_file.exists)  # as if the worker had written its failure and hung
@@ -270,13 +263,13 @@ def fault_request(tmp_path: Path, monkeypatch, recipe_env: dict, fault: str) -> 
 
 def counted_launches(monkeypatch) -> list[dict]:
     launched: list[dict] = []
-    real_launch_probe = sweep_module.launch_probe
+    real_launch_probe = launch_module.launch_probe
 
     def launch_probe(*args, **kwargs) -> dict:
         launched.append(result := real_launch_probe(*args, **kwargs))
         return result
 
-    monkeypatch.setattr(sweep_module, "launch_probe", launch_probe)
+    monkeypatch.setattr(launch_module, "launch_probe", launch_probe)
     return launched
 
 
