@@ -57,7 +57,8 @@ def test_a_prepared_set_of_another_length_is_refused(tmp_path, english_texts):
 def test_a_document_level_megatron_file_is_read_in_gpt_neox_s_order_and_ready_once_indexed(tmp_path, english_texts):
     """The other processes of a launch wait on `causal_data_ready` while the first builds GPT-NeoX's index."""
     from cram.data.causal import causal_data_ready
-    from cram.data.megatron import GPTNeoXSamples, tokenized_documents, write_megatron
+    from cram.data.gpt_neox_order import GPTNeoXSamples
+    from cram.data.megatron import tokenized_documents, write_megatron
 
     tokenizer = train_byte_level_bpe(iter(english_texts), 400, lowercase=False, model_max_length=64)
     tokenizer.save_pretrained(tmp_path / "tokenizer")

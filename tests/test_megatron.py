@@ -8,14 +8,8 @@ import struct
 import numpy as np
 import pytest
 
-from cram.data.megatron import (
-    HEADER,
-    MAGIC,
-    MegatronSequences,
-    MegatronTokens,
-    megatron_sequences,
-    write_megatron,
-)
+from cram.data.gpt_neox_order import megatron_sequences
+from cram.data.megatron import HEADER, MAGIC, MegatronSequences, MegatronTokens, write_megatron
 from cram.data.sampling import StreamSlices
 from cram.errors import UserError
 

@@ -7,16 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cram.data.megatron import (
+from cram.data.gpt_neox_order import (
     GPTNeoXSamples,
-    MegatronSequences,
-    MegatronTokens,
     gpt_neox_epochs,
     gpt_neox_index_paths,
     gpt_neox_num_samples,
     megatron_sequences,
-    write_megatron,
 )
+from cram.data.megatron import MegatronSequences, MegatronTokens, write_megatron
 from cram.errors import UserError
 
 
@@ -72,7 +70,7 @@ def documents() -> list[np.ndarray]:
 @pytest.mark.parametrize("seq_length, sequences", [(16, 40), (16, 400), (7, 90), (33, 10)])
 def test_the_index_equals_gpt_neox_s_and_sample_i_is_its_ith(tmp_path, monkeypatch, documents, seq_length, sequences):
     """Small chunks make the build cross many chunk boundaries; 400 sequences of 17 need several epochs."""
-    monkeypatch.setattr("cram.data.megatron.INDEX_CHUNK", 5)
+    monkeypatch.setattr("cram.data.gpt_neox_order.INDEX_CHUNK", 5)
     write_megatron(tmp_path / "document", documents)
     tokens = MegatronTokens(tmp_path / "document")
     samples = megatron_sequences(tokens, seq_length + 1, sequences)

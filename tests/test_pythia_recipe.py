@@ -24,13 +24,8 @@ from launching import accelerate_launch, load_recipe, run, started, wait_until
 from safetensors.torch import load as load_safetensors
 from transformers import AutoModelForCausalLM
 
-from cram.data.megatron import (
-    MegatronTokens,
-    gpt_neox_index_paths,
-    megatron_sequences,
-    tokenized_documents,
-    write_megatron,
-)
+from cram.data.gpt_neox_order import gpt_neox_index_paths, megatron_sequences
+from cram.data.megatron import MegatronTokens, tokenized_documents, write_megatron
 from cram.data.tokenizer import train_byte_level_bpe
 from cram.errors import UserError
 from cram.models.pythia_suite import pythia_recipe, weight_type

@@ -4,7 +4,7 @@ Every item is a run of seq_len + 1 tokens: the model reads the first seq_len and
 GPT-NeoX trained Pythia on 2049-token sequences. Sources, by what the path is:
 - a Megatron `.bin`/`.idx` pair (the prefix, or either file): in the order GPT-NeoX trains on it, so EleutherAI's
   pre-shuffled Pile (entry i = sequence i) replays Pythia's batches exactly, and a document-level file is read
-  through GPT-NeoX's own sample index (`cram.data.megatron.megatron_sequences`);
+  through GPT-NeoX's own sample index (`cram.data.gpt_neox_order.megatron_sequences`);
 - a set made by recipes/prepare_data.py whose blocks are seq_len + 1 tokens long;
 - anything else `cram.data` reads: pre-tokenized `input_ids` (parquet, jsonl, a Hub set) with their tokenizer, or
   raw text, tokenized with `--tokenizer` or with a byte-level BPE trained on it, packed into seq_len + 1 blocks.
@@ -18,16 +18,15 @@ import torch
 from torch.utils.data import Dataset
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from cram.data.megatron import (
+from cram.data.gpt_neox_order import (
     GPTNeoXSamples,
-    MegatronTokens,
     document_level,
     fixed_length,
     gpt_neox_index_ready,
     gpt_neox_num_samples,
-    is_megatron,
     megatron_sequences,
 )
+from cram.data.megatron import MegatronTokens, is_megatron
 from cram.data.options import DataOptions
 from cram.data.prepare import is_prepared, load_prepared, prepare, prepared_path
 from cram.data.sampling import SerialBlocks
