@@ -33,12 +33,11 @@ from cram.data.sampling import stream_loader
 from cram.errors import UserError, run_cli
 from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
 from cram.models.crammed_bert_recipe import CRAMMED_BERT_RECIPES, crammed_bert_recipe
-from cram.plan.space import Optimizer
 from cram.train.accelerator import local_main_first
 from cram.train.activation_checkpointing import enable_activation_checkpointing
 from cram.train.budget import BudgetClock, StepClock, budget_triangle, parse_budget
 from cram.train.deepspeed_setup import check_optimizer_for_deepspeed, configure_deepspeed
-from cram.train.optim import build_adamw
+from cram.train.optim import Optimizer, build_adamw
 from cram.train.precision import enable_tf32
 from cram.train.ramp import BudgetRamp, Pace, full_accumulation, ramp_accumulation
 from cram.train.run import RecipeRun, RunOptions, check_run_options

@@ -50,10 +50,11 @@ from cram.plan.pick import (
 )
 from cram.plan.rank import add_estimates
 from cram.plan.report import markdown_table, write_reports
-from cram.plan.space import OPTIMIZERS, candidate_space, select_candidates
+from cram.plan.space import candidate_space, select_candidates
 from cram.plan.sweep import Setting, sweep
 from cram.plan.timing import matmul_flops
 from cram.train.accelerator import launch_device_type
+from cram.train.optim import OPTIMIZERS
 from cram.train.run import RunOptions, default_num_workers
 from cram.train.throughput import gpu_for_device_name, peak_flops_for_name
 

@@ -7,13 +7,10 @@ only "none" and the offloaded variants remain: 2 × (1 + 5) = 12 candidates, aga
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Literal, get_args
 
 from cram.errors import UserError
 
 SHARDINGS = ("none", "zero1", "zero2", "zero3", "fsdp-grad-op", "fsdp-full")
-Optimizer = Literal["adamw", "adamw-8bit"]
-OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 from torch import nn
+
+Optimizer = Literal["adamw", "adamw-8bit"]  # the recipes' --optimizer, and the planner's optimizer axis
+OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
 
 
 def decay_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
