@@ -258,7 +258,7 @@ def replication(*arguments) -> tuple[int, dict]:
 def test_the_replication_check_reads_deepspeed_states_and_passes_a_run_against_itself(
     tmp_path, megatron_data, zero1_pushed, zero3_resumed, stage
 ):
-    from cram.eval.replication import Revisions
+    from cram.eval.run_models import Revisions
 
     run = {"zero1": zero1_pushed, "zero3": zero3_resumed}[stage][0]
     prefix, _ = megatron_data
@@ -322,7 +322,7 @@ def seed_stand_ins(run: Path, folder: Path, seeds: int) -> list[Path]:
 def test_the_envelope_of_several_seeds_passes_a_run_within_it_and_fails_one_outside(
     tmp_path, megatron_data, single_process, zero1_pushed, wrong_run
 ):
-    from cram.eval.replication import Revisions
+    from cram.eval.run_models import Revisions
 
     seeds = seed_stand_ins(single_process, tmp_path / "released", 4)
     assert Revisions(str(seeds[1])).load(2).dtype == torch.float16  # read in the precision it was saved in

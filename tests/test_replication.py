@@ -14,13 +14,12 @@ from cram.errors import UserError
 from cram.eval.replication import (
     DEFAULT_MARGIN,
     DEFAULT_TOLERANCE,
-    Revisions,
     judge,
-    read_training_state,
     released_references,
     scoring_dtype,
     verdict,
 )
+from cram.eval.run_models import Revisions, read_training_state
 from cram.models.pythia_suite import pythia_checkpoint_steps
 from cram.train.revisions import parse_revision_steps, revisions_disk_line
 

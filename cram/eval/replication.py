@@ -25,21 +25,19 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, GPTNeoXForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from cram.data.causal import causal_lm_batch, load_causal_data
 from cram.errors import UserError, run_cli
+from cram.eval.run_models import REVISIONS_FOLDER, Revisions
 from cram.models.pythia_suite import weight_type
 
 OPTIONS_FILE = "cram_options.json"
-REVISIONS_FOLDER = "revisions"  # cram.train.revisions' folder (not imported: it would pull in the training stack)
 # The released seeds (EleutherAI/pythia README, "Multiple random seeds"; PolyPythias, van der Wal et al., ICLR 2025):
 # pythia-SIZE is seed 1234, pythia-SIZE-seed1 … seed9 the others, for these sizes; the larger ones have one seed.
 SEEDED_SIZES = ("pythia-14m", "pythia-31m", "pythia-70m", "pythia-160m", "pythia-410m")
@@ -89,111 +87,6 @@ def read_run(run_dir: Path) -> RunFacts:
     return RunFacts(run_dir, training["size"], resolved["seq_len"], resolved["global_batch_size"],
                     resolved["max_steps"], resolved["vocab_size"], training["data"], training["tokenizer"],
                     resolved.get("released_precision", "fp16"))
-
-
-def _step_folders(folder: Path, prefix: str) -> dict[int, Path]:
-    if not folder.is_dir():
-        return {}
-    return {int(child.name[len(prefix):]): child for child in folder.iterdir()
-            if child.name.startswith(prefix) and child.name[len(prefix):].isdigit() and child.is_dir()}
-
-
-def training_state_weights(state: Path) -> str | None:
-    """Which kind of model weights a training-state folder holds (None: none this check reads)."""
-    if (state / "model.safetensors").is_file():
-        return "accelerate"  # one process, DDP: Accelerate's save_state
-    if (state / "pytorch_model").is_dir():
-        return "deepspeed"  # Accelerate's save_state under DeepSpeed: the engine's checkpoint tagged pytorch_model
-    if (state / "pytorch_model_fsdp_0").is_dir():
-        return "fsdp-sharded"  # SHARDED_STATE_DICT, a torch.distributed.checkpoint folder
-    if (state / "pytorch_model_fsdp.bin").is_file():
-        return "fsdp-full"  # FULL_STATE_DICT
-    return None
-
-
-def read_training_state(state: Path) -> dict[str, torch.Tensor]:
-    """The full model weights in a training state, consolidated by the sharding library's own tool."""
-    kind = training_state_weights(state)
-    if kind == "accelerate":
-        return load_file(state / "model.safetensors")
-    if kind == "deepspeed":
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        return get_fp32_state_dict_from_zero_checkpoint(str(state), tag="pytorch_model")
-    if kind == "fsdp-sharded":
-        from accelerate.utils import merge_fsdp_weights
-
-        with tempfile.TemporaryDirectory(prefix="merged-fsdp-") as merged:
-            merge_fsdp_weights(str(state / "pytorch_model_fsdp_0"), merged, safe_serialization=True)
-            return load_file(Path(merged) / "model.safetensors")
-    if kind == "fsdp-full":
-        return torch.load(state / "pytorch_model_fsdp.bin", map_location="cpu", weights_only=True)
-    raise UserError(f"{state} holds no model weights this check reads (FSDP's LOCAL_STATE_DICT is one shard per "
-                    "process): keep revisions with --revision-steps, or save FSDP states as SHARDED_STATE_DICT.")
-
-
-class Revisions:
-    """The models of one run, a local folder of stepN revisions, or a Hub repository's stepN revisions, by step."""
-
-    def __init__(self, location: str):
-        self.location = location
-        self.folder = Path(location) if Path(location).exists() else None
-        self._found: dict[int, tuple[str, Path | None]] | None = None
-
-    def found(self) -> dict[int, tuple[str, Path | None]]:
-        """step -> (kind, path): a revision folder, a training state, the final model, or a Hub revision."""
-        if self._found is not None:
-            return self._found
-        found: dict[int, tuple[str, Path | None]] = {}
-        if self.folder is None:
-            for step in self._hub_steps():
-                found[step] = ("hub", None)
-        else:
-            summary = self.folder / "summary.json"
-            if summary.is_file() and (self.folder / "final" / "config.json").is_file():
-                found[json.loads(summary.read_text())["optimizer_steps"]] = ("revision", self.folder / "final")
-            for step, state in _step_folders(self.folder / "checkpoints", "step-").items():
-                if training_state_weights(state) is not None:
-                    found[step] = ("state", state)
-            for folder in (self.folder, self.folder / REVISIONS_FOLDER):  # revisions first: the model as exported
-                for step, revision in _step_folders(folder, "step").items():
-                    if (revision / "config.json").is_file():
-                        found[step] = ("revision", revision)
-        self._found = found
-        return found
-
-    def steps(self) -> list[int]:
-        return sorted(self.found())
-
-    def _hub_steps(self) -> list[int]:
-        from huggingface_hub import list_repo_refs
-
-        try:
-            branches = [branch.name for branch in list_repo_refs(self.location).branches]
-        except Exception as err:  # noqa: BLE001 - offline, unknown repository, no access: one sentence each
-            raise UserError(f"cannot list the revisions of {self.location} ({type(err).__name__}): give a Hub "
-                            "repository you can reach or a local folder of stepN revisions.") from None
-        return sorted(int(name[4:]) for name in branches if name.startswith("step") and name[4:].isdigit())
-
-    def config_folder(self) -> Path:
-        """A folder with the run's config.json, for loading weights from a training state."""
-        for kind, path in self.found().values():
-            if kind == "revision":
-                return path
-        raise UserError(f"{self.location} has training states but no exported model to read its configuration from: "
-                        "let the run save a revision (--revision-steps) or finish.")
-
-    def load(self, step: int) -> PreTrainedModel:
-        """The model at `step`, its weights in the precision they were saved in (dtype="auto")."""
-        kind, path = self.found()[step]
-        if kind == "hub":
-            return AutoModelForCausalLM.from_pretrained(self.location, revision=f"step{step}", dtype="auto")
-        if kind == "revision":
-            return AutoModelForCausalLM.from_pretrained(path, dtype="auto")
-        model = GPTNeoXForCausalLM(AutoConfig.from_pretrained(self.config_folder()))
-        weights = read_training_state(path)
-        model.load_state_dict({name: tensor for name, tensor in weights.items() if name in model.state_dict()})
-        return model
 
 
 def choose_steps(ours: Revisions, references: list[Revisions], asked: list[int] | None) -> tuple[list[int], list[int]]:
