@@ -16,15 +16,8 @@ from launching import run
 
 from cram.data.tokenizer import train_wordpiece
 from cram.errors import UserError, run_cli
-from cram.hub import (
-    HubUnreachable,
-    ModelCardFacts,
-    add_eval_results_to_card,
-    main,
-    push_checkpoint,
-    render_model_card,
-    write_model_card,
-)
+from cram.hub import HubUnreachable, main, push_checkpoint
+from cram.model_card import ModelCardFacts, add_eval_results_to_card, render_model_card, write_model_card
 from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
 from cram.train.checkpoint import save_checkpoint
 

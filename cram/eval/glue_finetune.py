@@ -54,7 +54,7 @@ from cram.eval.glue_report import (
     task_metrics,
     write_json,
 )
-from cram.hub import add_eval_results_to_card
+from cram.model_card import add_eval_results_to_card
 from cram.optional import require_installed
 from cram.train.accelerator import launch_device_type, use_cpu_cores
 from cram.train.compilation import CompileChoice, resolve_compile

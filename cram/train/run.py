@@ -20,7 +20,8 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from cram.cli import option
 from cram.errors import UserError
-from cram.hub import BackgroundPusher, ModelCardFacts, check_repo_id, push_checkpoint, write_model_card
+from cram.hub import BackgroundPusher, check_repo_id, push_checkpoint
+from cram.model_card import ModelCardFacts, write_model_card
 from cram.optional import require_installed
 from cram.train.accelerator import COLLECTIVE_TIMEOUT_MINUTES, build_accelerator, parameter_counts, shut_down
 from cram.train.budget import WallClock
