@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 setup: $(STAMP)
 
 # The package goes in under a constraint pinning the torch already there, so a CUDA build stays. EXTRAS: the optional
-# paths to install (README: Install); the suite needs them all.
+# paths to install (README: Install extras); the suite needs them all.
 EXTRAS ?= all,dev
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,9 +27,9 @@ demo: setup
 	$(BIN)/accelerate launch -q --config_file accel_configs/1gpu.yaml recipes/cram.py \
 		--preset tiny --budget 3m --output-dir runs/demo
 
-# Two pytest workers (pytest-xdist): run one after the other, the suite keeps about one of the two cores busy (it
-# waits on imports, launches and file writes). Each module runs whole on one worker, so its shared launches are
-# made once, the modules with most launches first (tests/conftest.py); TEST_WORKERS=0 runs it in this process.
+# Two pytest workers (pytest-xdist): the suite waits on imports, launches and file writes, so one worker alone would
+# leave cores idle. Each module runs whole on one worker, so its shared launches are made once, the modules with
+# most launches first (tests/conftest.py); TEST_WORKERS=0 runs it in this process.
 # (Not --dist loadgroup: under pytest 9.2, xdist 3.8's groups are silently ignored, as the nodeid it renames is
 # no longer the one pytest reports.)
 TEST_WORKERS ?= 2

@@ -33,7 +33,7 @@ EXTRA_FLOOR_REASONS = {
     ),
     ("deepspeed", "deepspeed"): (
         "before DeepSpeed 0.16.0 its checkpoints do not load under torch 2.6's `weights_only` default, so a ZeRO "
-        "run could not resume"
+        "run cannot resume"
     ),
 }
 _warned_untested: set[str] = set()

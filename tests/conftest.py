@@ -20,9 +20,8 @@ from cram.train.precision import resolve_precision
 
 # One thread per process, in the workers and in every process they start (recipes read CRAM_CPU_THREADS, the rest
 # OMP_NUM_THREADS): `make test` runs two workers, each often beside a launch of its own, on as few as 2 cores, where
-# a process that counts on every core waits for threads that are not running. Two 24-step cram runs side by side on
-# 2 cores took 72 s and 144 CPU-seconds with two threads each, 42 s and 84 CPU-seconds with one; one run alone took
-# the same 23 s either way (the tests' models are tiny).
+# a process that counts on every core waits for threads that are not running, and the tests' models are too small
+# to gain from more than one (docs/benchmarks.md: The test suite).
 os.environ.setdefault("CRAM_CPU_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

@@ -1,5 +1,5 @@
 """What the planner's probes with an injected fault (tests/plan_rank_oom.py, tests/plan_rank_error.py) share: the
-probe run with their `steps`, and process 0 slow to note its progress, as a loaded machine made it once. Process 1
+probe run with their `steps`, and process 0 slow to note its progress, as on a loaded machine. Process 1
 must not fail (and end the launch) before that note is written, or the parent cannot tell where it crashed."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""`--compile auto`: compile only where a measurement showed it helps, and record why in the resolved options."""
+"""`--compile auto`: compile only where it helps (docs/benchmarks.md: torch.compile on the CPU), and record why in
+the resolved options."""
 
 import dataclasses
 

@@ -55,9 +55,8 @@ def crammed_run(tmp_path_factory, recipe_env) -> Path:
 
 @pytest.mark.slow
 def test_a_wall_clock_cram_run_spends_its_budget_and_stops_at_a_step_boundary(crammed_run):
-    # How many steps fit in the budget depends on the machine's load (about 2 a second on a quiet 2-core CPU, a
-    # handful in all on one running twenty other processes), so nothing here depends on it; the loss falling over
-    # a step budget is checked by test_resume.py's 24-step run.
+    # How many steps fit in the budget depends on the machine's load, so nothing here depends on it; the loss
+    # falling over a step budget is checked by test_resume.py's 24-step run.
     summary = json.loads((crammed_run / "summary.json").read_text())
     assert summary["optimizer_steps"] >= 1
     assert summary["first_loss"] > 8.0  # ln(8192) ≈ 9.0 at initialisation
@@ -268,7 +267,7 @@ def test_bad_input_gets_one_sentence_and_exit_2_before_anything_is_written(
 
 
 def test_an_output_dir_that_is_a_file_is_refused_before_training(tmp_path, recipe_module, monkeypatch, capsys):
-    # Found only when the final model was written, it cost the whole run and its model.
+    # Found only when the final model is written, it would cost the whole run and its model.
     output_file = tmp_path / "a-file"
     output_file.write_text("notes\n")
     monkeypatch.setattr(sys, "argv", ["cram.py", "--preset", "tiny", "--max-steps", "1", "--output-dir",

@@ -20,7 +20,7 @@ from cram.data.prepare import OPTIONS_FILE, data_cache_key
 from cram.data.sources import resolve_sources
 from cram.errors import UserError
 
-THREAD_GUARD_SECONDS = 120  # a guard against a hang, not a speed limit: a build here takes a second or two
+THREAD_GUARD_SECONDS = 120  # a guard against a hang, not a speed limit: a build here is small
 # One changed value per option: each must change the key. "sources" names the corpus at a different weight.
 CHANGED_VALUES = {
     "sources": None,
@@ -173,8 +173,8 @@ def test_the_embedded_corpus_is_keyed_by_the_installation_not_the_path_that_reac
 
 
 def test_processes_that_ask_for_the_embedded_corpus_at_once_build_it_once_and_see_one_file(tmp_path, monkeypatch):
-    # The ranks of a launch on a fresh machine all ask for it. Two builds replacing each other gave the ranks two
-    # modification times, so two data-set keys: the waiting rank polled for a set the other never made, forever.
+    # The ranks of a launch on a fresh machine all ask for it. Two builds replacing each other would give the ranks
+    # two modification times, so two data-set keys: the waiting rank would poll forever for a set never made.
     from cram.data import corpus
 
     builds = []

@@ -57,7 +57,8 @@ class Tolerance:
     weights: float
 
 
-# Summation order differs between one process and an all-reduce over two: losses agree to about 1e-6 here.
+# Summation order differs between one process and an all-reduce over two: fp32 losses agree up to rounding, far
+# inside these bounds.
 EAGER = Tolerance(loss=1e-4, grad_norm=1e-3, weights=1e-4)
 # Inductor fuses and reorders floating-point work on top of that, so compiled fp32 runs match only up to rounding;
 # a wrong compile path (a step skipped or doubled, gradients not synchronised) moves them by far more.

@@ -69,7 +69,7 @@ def local_task(tmp_path_factory, english_texts) -> Path:
     folder = tmp_path_factory.mktemp("lm-eval-task")
     # Plain words only, so a sentence stays far inside the model's 128 positions (lm-eval would cut it from the left).
     # The embedded corpus is built from the installed packages' documents, so which texts come first depends on the
-    # environment: one whose text has no plain word at all came first at the floors.
+    # environment, and the first may hold no plain word at all: sentences are taken from any text that has enough.
     plain = ([word for word in text.split() if word.isalpha()][:10] for text in english_texts)
     sentences = [" ".join(words) for words in plain if len(words) >= 4][:8]
     with open(folder / "local.jsonl", "w", encoding="utf-8") as file:
@@ -121,7 +121,7 @@ def test_lm_eval_scores_a_local_task_as_the_models_own_likelihoods_give(checkpoi
     assert task["acc,none"] == pytest.approx(sum(greedy for _, greedy in direct) / len(direct))
 
 
-@pytest.mark.slow  # lm-eval indexes its whole task registry first: minutes on a loaded 2-core machine
+@pytest.mark.slow  # lm-eval indexes its whole task registry first, which is slow
 def test_an_unknown_lm_eval_task_is_refused(checkpoint, local_task):
     with pytest.raises(UserError, match="lm-eval knows no task no_such_task"):
         run_lm_eval(checkpoint / "model", ["no_such_task"], include_path=local_task)

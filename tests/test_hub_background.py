@@ -24,8 +24,8 @@ from cram.hub import BackgroundPusher
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "cram.py"
 TOKEN = "hf_background_secret_0123456789"
-# Hang guards, not speed limits: a call that hands an upload over or gives them up takes milliseconds, an upload
-# to the local stand-in a second or two, a 3-step recipe run a minute or two.
+# Hang guards, not speed limits: each is far longer than what it guards takes (a call that hands an upload over or
+# gives them up, an upload to the local stand-in, a 3-step recipe run).
 CALL_GUARD_SECONDS = 120
 GATE_GUARD_SECONDS = 600  # the test opens the gate long before, in a `finally`
 RUN_GUARD_SECONDS = 900
@@ -120,7 +120,7 @@ def test_a_failed_background_push_warns_and_keeps_its_folder(tmp_path, monkeypat
 
 
 def test_a_failed_push_warns_on_a_line_of_its_own_while_the_progress_bar_is_drawn(tmp_path, monkeypatch, capsys):
-    # The training thread's bar ends without a newline; a warning printed after it once joined its line.
+    # The training thread's bar ends without a newline; a warning printed after it must not join its line.
     def unreachable(folder, repo_id, **kwargs):
         raise UserError(f"could not reach the Hugging Face Hub to push {repo_id}")
 

@@ -56,7 +56,7 @@ def around(median: float, spread: float, count: int = 8) -> list[float]:
 
 
 def test_a_noisy_sweep_tie_is_settled_by_paired_timings_toward_the_faster_not_the_roomier():
-    # As issue 31 found them: zero1 at 2.00 s ± 1 %, zero2-offload at 2.60 s ± 25 % with more memory headroom.
+    # A noisy sweep: zero1 at 2.00 s ± 1 %, zero2-offload at 2.60 s ± 25 % with more memory headroom.
     rows = estimate([measured("zero2-offload", 2.60, 0.25, 30.0), measured("zero1", 2.00, 0.01, 70.0),
                      measured("ddp", 5.0, 0.01, 75.0)])
     assert [row["candidate"] for row in leading_candidates(rows)] == ["zero1", "zero2-offload"]

@@ -59,7 +59,7 @@ def test_a_timed_out_launch_leaves_no_process_behind(tmp_path):
 @pytest.mark.parametrize("signal_number, raised", [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, Terminated)])
 def test_ctrl_c_or_sigterm_during_a_launch_ends_its_whole_process_tree(tmp_path, signal_number, raised):
     # Python's own Ctrl-C handler, as in a fresh `recipes/plan.py`: an earlier in-process test of the session may
-    # have left another (the full suite once ran this test with SIGINT caught, and no KeyboardInterrupt came).
+    # have left another, under which SIGINT would be caught and no KeyboardInterrupt would come.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     pid_file = tmp_path / "worker.pid"
     # The signal arrives once the worker runs: to this process, as a terminal or a job scheduler sends it.
@@ -324,7 +324,7 @@ def test_sigterm_to_the_planner_mid_candidate_ends_the_candidates_processes(tmp_
 
 
 def test_the_cache_key_holds_without_deepspeed_installed(monkeypatch):
-    """The base install has no DeepSpeed: the planner still keys its cache (the floors job found this crash)."""
+    """The base install has no DeepSpeed: the planner still keys its cache, DeepSpeed's version as absent."""
     real_version = importlib.metadata.version
 
     def version(package: str) -> str:

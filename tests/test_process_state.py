@@ -49,8 +49,9 @@ def tiny_pythia_data(tmp_path, english_texts) -> tuple[Path, Path]:
 def test_a_recipe_main_runs_twice_in_one_process_at_auto_precision(
     tmp_path, monkeypatch, tiny_pythia_data, cpu_bf16_units, recipe_env
 ):
-    """The notebook case, and the test order that turned main red on a CPU with bf16 units: an fp32 run first,
-    then a run whose `--precision auto` resolves to bf16 (the fast test above covers both CPUs)."""
+    """The notebook case, and the test order that fails on a CPU with bf16 units if a run inherits the last one's
+    precision: an fp32 run first, then a run whose `--precision auto` resolves to bf16 (the fast test above covers
+    both CPUs)."""
     for name in ("CRAM_CACHE", "TOKENIZERS_PARALLELISM"):
         monkeypatch.setenv(name, recipe_env[name])
     recipe = load_recipe(REPO / "recipes" / "pythia.py", "pythia_recipe_twice")
@@ -116,8 +117,8 @@ def test_the_recipe_refuses_a_bad_cram_cpu_threads_with_exit_2_before_writing_an
 
 
 def test_deepspeed_on_the_cpu_neither_probes_for_nor_builds_its_shared_memory_all_reduce():
-    # The op only DeepSpeed's inference all-reduce calls: building it took two CPU-minutes of g++ on the first
-    # DeepSpeed launch of a 2-core machine. `build_shm_op` is what DeepSpeed's backend calls when it starts.
+    # The op only DeepSpeed's inference all-reduce calls: building it with g++ makes a first DeepSpeed launch slow on
+    # a small machine. `build_shm_op` is what DeepSpeed's backend calls when it starts.
     from deepspeed.comm.torch import build_shm_op
 
     skip_deepspeed_shared_memory_op()
@@ -138,7 +139,7 @@ def test_deepspeed_on_the_cpu_counts_this_machines_processes_as_its_devices(monk
 @pytest.mark.parametrize("version, waits", [("0.16.0", True), ("0.19.7", True), ("0.19.8", False)])
 def test_deepspeed_before_0_19_8_has_each_all_gather_done_before_it_returns(monkeypatch, version, waits):
     # Before 0.19.8, ZeRO-3's gather of several parameters waits on its last all-gather alone, which gloo does not
-    # order: the floors' ZeRO-3 Pythia runs read garbage weights at random until each one was waited on.
+    # order: a ZeRO-3 run on the CPU reads garbage weights at random unless each one is waited on.
     import deepspeed
     from deepspeed import comm
 

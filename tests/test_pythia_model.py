@@ -95,7 +95,8 @@ def test_the_mlp_is_gpt_neox_s_fused_bias_gelu_the_tanh_approximation_also_once_
 
 
 def neox_annealing_lr(k: int, peak: float, steps: int = 143_000) -> float:
-    """The issue's statement of GPT-NeoX v1.0's AnnealingLR (cosine), W = 1 % of the steps, E = the steps."""
+    """GPT-NeoX v1.0's AnnealingLR (cosine, megatron/learning_rates.py) written out apart from cram's own, W = 1 % of
+    the steps, E = the steps."""
     warmup, end = 0.01 * steps, steps
     if k <= warmup:
         return peak * k / warmup
@@ -230,7 +231,7 @@ def test_the_init_holds_under_zero3_zero_init(tmp_path):
     completed = run([sys.executable, "-c", ZERO3_BUILD, str(port), str(tmp_path / "weights.pt")],
                     env={**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions)})
     assert completed.returncode == 0, completed.stderr[-3000:]
-    assert not list(extensions.glob("**/*shm*")), sorted(extensions.rglob("*"))  # nothing built: no g++ minutes
+    assert not list(extensions.glob("**/*shm*")), sorted(extensions.rglob("*"))  # nothing built: no g++ run
     weights = torch.load(tmp_path / "weights.pt")
     model = GPTNeoXForCausalLM(pythia_config("pythia-14m"))
     model.load_state_dict(weights, strict=False)

@@ -244,8 +244,8 @@ def states_only(run: Path, folder: Path) -> Path:
 
 
 def replication(*arguments) -> tuple[int, dict]:
-    """The check as a user runs it, in a process of its own (in the suite's worker, state that earlier modules left
-    behind changed its scores): its exit status and its replication.json."""
+    """The check as a user runs it, in a process of its own (in the suite's worker, state that earlier modules leave
+    behind could change its scores): its exit status and its replication.json."""
     arguments = [str(argument) for argument in arguments]
     completed = run([sys.executable, "-m", "cram.eval.replication", *arguments], cwd=REPO)
     assert completed.returncode in (0, 1), completed.stderr[-3000:]
@@ -391,7 +391,7 @@ def refusal(recipe_module, monkeypatch, arguments: list) -> str:
 
 
 # Pythia's whole schedule at a small batch and sequence: GPT-NeoX's index for 143,000 steps × 4 sequences is
-# 575,825 samples over the test's 100 documents, built in a fraction of a second.
+# 575,825 samples over the test's 100 documents, cheap to build.
 FULL_LENGTH = ["--size", "pythia-14m", "--vocab-size", "1024", "--seq-len", "32", "--global-batch-size", "4",
                "--micro-batch-size", "2", "--precision", "fp32", "--log-every", "1", "--checkpoint-every-minutes", "0"]
 

@@ -45,7 +45,7 @@ REPORTED_PACKAGES = ("torch", "transformers", "accelerate", "datasets", "tokeniz
 
 @dataclass(frozen=True)
 class Shape:
-    """The shapes measured: the issue's on GPUs, a toy one on the CPU."""
+    """The shapes measured: the full ones on GPUs, a toy one on the CPU."""
 
     bert: CrammedBertConfig
     bert_batch: int

@@ -11,8 +11,8 @@ import pyarrow as pa
 class DocumentFilter:
     """Decide, document by document and in one pass, whether (and how often) a text enters the corpus.
 
-    Deduplication keeps an 8-byte digest per distinct document (about 80 bytes of RAM each in a Python
-    set), which is the one piece of state that grows with the corpus; it is off by default.
+    Deduplication keeps an 8-byte digest per distinct document in a Python set, which is the one piece of state
+    that grows with the corpus; it is off by default.
     """
 
     def __init__(self, min_chars: int, dedup: bool) -> None:
@@ -51,10 +51,10 @@ class WeightSampler:
 # The original (cramming/data/pretraining_preparation.py: raw_dataset_preprocessing, remove_trash) counts the tokens of
 # ALBERT's fixed 30k tokenizer, not of the tokenizer being trained; a pretrained tokenizer is off limits here (and would
 # need the network), and the tokenizer being trained cannot judge the documents it is trained on (it learns whatever
-# it is fed, so the same document passed at one --vocab-size and failed at another). The pieces need no vocabulary:
+# it is fed, so the same document would pass at one --vocab-size and fail at another). The pieces need no vocabulary:
 # a run of letters costs one piece per 10 letters (nearly every English word is one token of a 30k vocabulary), a run
 # of digits one per 3 digits, a run of any other non-space characters (punctuation, symbols, other scripts) one per 3.
-# English prose measures about 0.2 pieces per character; base64, hex dumps and tables of numbers 0.3 and more.
+# Prose falls under the cutoff, base64, hex dumps and tables of numbers above it (docs/data.md: The trash filter).
 LETTERS_PER_PIECE = 10
 DIGITS_PER_PIECE = 3
 SYMBOLS_PER_PIECE = 3

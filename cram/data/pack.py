@@ -31,8 +31,7 @@ class DocumentTokenizer:
     makes the usual tokenize-then-group approach slow and memory-hungry. The tokenizer sees at most `max_chars`
     characters per call: runs of documents up to that size, and a longer document in windows of a tenth of it
     cut at whitespace (where the whitespace pre-tokenizer splits anyway, so the ids are the same), so the
-    Python strings and encodings in a worker (a few hundred bytes per token) stay bounded whatever the
-    documents' lengths.
+    Python strings and encodings in a worker, many bytes per token, stay bounded whatever the documents' lengths.
     """
 
     def __init__(self, tokenizer: Tokenizer, sep_id: int, dtype: np.dtype, max_chars: int = 1_000_000) -> None:

@@ -168,7 +168,7 @@ def readymade_loader(blocks: StreamedBlocks, collate_fn: Callable, *, start: int
     """The streamed counterpart of `cram.data.sampling.stream_loader`: the same serials, micro-batches and masks.
 
     Read in the training process: a stream has one reader (workers would each read it whole), and decoding a step's
-    128-token rows from parquet takes milliseconds.
+    128-token rows from parquet is small beside the step itself.
     """
     return DataLoader(_MicroBatches(blocks, start, micro_batch_size, process_index, num_processes),
                       batch_size=None, collate_fn=collate_fn, pin_memory=pin_memory)

@@ -18,8 +18,8 @@ def resolve_compile(choice: str, device_type: str) -> bool:
     """Whether to `torch.compile`; `compile_reason` says why, for the resolved options.
 
     `auto` compiles on GPUs Triton supports (compute capability 7.0 and newer) and not on the CPU, where the step
-    is matrix products that inductor leaves to the same kernels, so compiling would cost minutes and gain nothing
-    (`make bench --compile` compares the two; docs/benchmarks.md).
+    is matrix products that inductor leaves to the same kernels, so compiling would only add its own time
+    (`python -m cram.bench.train_step --compile` compares the two; docs/benchmarks.md: torch.compile on the CPU).
     """
     return compile_decision(choice, device_type)[0]
 

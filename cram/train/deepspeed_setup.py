@@ -41,8 +41,8 @@ def wait_for_each_all_gather() -> None:
     Before 0.19.8, ZeRO-3's gather of several parameters at once (deepspeed/runtime/zero/partition_parameters.py:
     `_allgather_params_coalesced`, behind `GatheredParameters` and the 16-bit state dict a model export reads)
     launches one asynchronous all-gather per parameter and waits on the last one only ("Wait ensures the operation
-    is enqueued"), which a CUDA stream orders but gloo does not: on the CPU the earlier parameters could still be
-    arriving, so a rank read, exported or wrote back garbage weights at random. 0.19.8 waits on each handle.
+    is enqueued"), which a CUDA stream orders but gloo does not: on the CPU the earlier parameters may still be
+    arriving, so a rank reads, exports or writes back garbage weights at random. 0.19.8 waits on each handle.
     """
     import deepspeed
     from deepspeed import comm

@@ -400,7 +400,7 @@ def write_summary(
         "optimizer_steps": state.optimizer_steps,
         "sequences": state.sequences,
         "tokens": state.tokens,
-        "seconds": round(state.elapsed, 3),  # to the millisecond: the stop is judged against a micro-batch of ~0.1 s
+        "seconds": round(state.elapsed, 3),  # to the millisecond: the stop is judged against a short micro-batch
         "tokens_per_second": round(state.tokens_per_second, 1),
         "epochs": state.sequences // blocks,
         "first_loss": state.first_loss,
