@@ -72,8 +72,8 @@ class BudgetRamp:
     """The batch ramp of a wall-clock budget whose target follows the budget: the largest accumulation, up to
     `largest`, that still leaves `min_steps` optimizer steps in the whole run at the measured speed.
 
-    A few minutes on a CPU hold a few hundred micro-batches: ramping to a preset's full batch there spends them on
-    a few dozen large steps, where small steps learn more per sequence. A long budget holds the full batch many
+    A short budget on a CPU holds few micro-batches: ramping to a preset's full batch there spends them on few large
+    steps, where small steps learn more per sequence. A long budget holds the full batch many
     times over, so the preset's target stands. The target is chosen once, when `decide_after` steps have been
     timed after the session's first, and kept in `state.target_batch_size`, so a resumed run ramps to the same one.
     Before it is chosen, steps take one micro-batch, as the ramp's start does anyway.
