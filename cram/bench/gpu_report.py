@@ -31,7 +31,7 @@ from transformers import BertConfig, BertForMaskedLM, GPTNeoXForCausalLM
 
 from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
 from cram.models.pythia_suite import pythia_config
-from cram.plan.sweep import free_port
+from cram.plan.launch import free_port
 from cram.plan.timing import synchronize
 from cram.train.compilation import COMPILE_CHOICES, resolve_compile
 from cram.train.deepspeed_setup import prepare_deepspeed_on_the_cpu
