@@ -36,17 +36,15 @@ from cram.cli import OptionParser, option, parse_strictly, summary
 from cram.data.causal import causal_data_ready, causal_lm_batch, load_causal_data
 from cram.data.sampling import stream_loader
 from cram.errors import UserError, run_cli
-from cram.models.pythia_suite import (
+from cram.models.pythia_model import (
     PYTHIA_SIZES,
-    PythiaRecipe,
     build_pythia_model,
     check_size,
     gpt_neox_largest_module_parameters,
     gpt_neox_parameters,
-    pythia_checkpoint_steps,
     pythia_config,
-    pythia_recipe,
 )
+from cram.models.pythia_recipe import PythiaRecipe, pythia_checkpoint_steps, pythia_recipe
 from cram.train.accelerator import launch_device_type, local_main_first
 from cram.train.activation_checkpointing import enable_activation_checkpointing
 from cram.train.budget import StepClock

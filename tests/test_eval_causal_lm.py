@@ -18,7 +18,7 @@ from cram.data.megatron import tokenized_documents, write_megatron
 from cram.data.tokenizer import train_byte_level_bpe
 from cram.errors import UserError
 from cram.eval.causal_lm import heldout_loss, run_lm_eval
-from cram.models.pythia_suite import pythia_config
+from cram.models.pythia_model import pythia_config
 
 
 @pytest.fixture(scope="module")

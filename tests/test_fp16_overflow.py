@@ -15,7 +15,7 @@ import torch
 from launching import run
 
 from cram.errors import UserError
-from cram.models.pythia_suite import pythia_recipe
+from cram.models.pythia_recipe import pythia_recipe
 from cram.train.accelerator import build_accelerator
 from cram.train.budget import StepClock
 from cram.train.loop import train

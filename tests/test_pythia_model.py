@@ -15,17 +15,16 @@ from launching import run
 from transformers import GPTNeoXForCausalLM
 
 from cram.errors import UserError
-from cram.models.pythia_suite import (
+from cram.models.pythia_model import (
     PYTHIA_SIZES,
     build_pythia_model,
     embedding_parameters,
     gpt_neox_largest_module_parameters,
     gpt_neox_parameters,
-    pythia_checkpoint_steps,
     pythia_config,
-    pythia_recipe,
     weight_type,
 )
+from cram.models.pythia_recipe import pythia_checkpoint_steps, pythia_recipe
 from cram.plan.models import build_model, model_config
 
 # The released models' counts (EleutherAI/pythia README): total, and without the input and output embeddings.
@@ -204,7 +203,7 @@ ZERO3_BUILD = textwrap.dedent("""
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     deepspeed.init_distributed("gloo")
     zero3 = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
-    from cram.models.pythia_suite import build_pythia_model
+    from cram.models.pythia_model import build_pythia_model
     torch.manual_seed(0)
     model = build_pythia_model("pythia-14m")
     assert all(param.ds_tensor is not None and param.numel() == 0 for param in model.parameters())  # partitioned

@@ -28,7 +28,8 @@ from cram.data.gpt_neox_order import gpt_neox_index_paths, megatron_sequences
 from cram.data.megatron import MegatronTokens, tokenized_documents, write_megatron
 from cram.data.tokenizer import train_byte_level_bpe
 from cram.errors import UserError
-from cram.models.pythia_suite import pythia_recipe, weight_type
+from cram.models.pythia_model import weight_type
+from cram.models.pythia_recipe import pythia_recipe
 from cram.train.checkpoint import STATE_FILE
 
 REPO = Path(__file__).resolve().parents[1]

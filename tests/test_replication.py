@@ -20,7 +20,7 @@ from cram.eval.replication import (
     verdict,
 )
 from cram.eval.run_models import Revisions, read_training_state
-from cram.models.pythia_suite import pythia_checkpoint_steps
+from cram.models.pythia_recipe import pythia_checkpoint_steps
 from cram.train.revisions import parse_revision_steps, revisions_disk_line
 
 

@@ -30,7 +30,7 @@ import torch
 from transformers import BertConfig, BertForMaskedLM, GPTNeoXForCausalLM
 
 from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
-from cram.models.pythia_suite import pythia_config
+from cram.models.pythia_model import pythia_config
 from cram.plan.launch import free_port
 from cram.plan.timing import synchronize
 from cram.train.compilation import COMPILE_CHOICES, resolve_compile

@@ -35,7 +35,7 @@ from transformers import PreTrainedModel
 from cram.data.causal import causal_lm_batch, load_causal_data
 from cram.errors import UserError, run_cli
 from cram.eval.run_models import REVISIONS_FOLDER, Revisions
-from cram.models.pythia_suite import weight_type
+from cram.models.pythia_model import weight_type
 
 OPTIONS_FILE = "cram_options.json"
 # The released seeds (EleutherAI/pythia README, "Multiple random seeds"; PolyPythias, van der Wal et al., ICLR 2025):

@@ -1,4 +1,4 @@
-"""The models the planner knows: the Pythia sizes (`cram.models.pythia_suite`) and the crammed-BERT presets, with their
+"""The models the planner knows: the Pythia sizes (`cram.models.pythia_model`) and the crammed-BERT presets, with their
 recipes' batch shape and length."""
 
 from __future__ import annotations
@@ -11,14 +11,8 @@ from transformers import GPTNeoXConfig, PretrainedConfig
 from cram.errors import UserError
 from cram.models.crammed_bert import CrammedBertForMaskedLM
 from cram.models.crammed_bert_recipe import CRAMMED_BERT_RECIPES, crammed_bert_recipe
-from cram.models.pythia_suite import (
-    PYTHIA_SIZES,
-    build_pythia_model,
-    pythia_checkpoint_steps,
-    pythia_config,
-    pythia_recipe,
-    pythia_size_of,
-)
+from cram.models.pythia_model import PYTHIA_SIZES, build_pythia_model, pythia_config, pythia_size_of
+from cram.models.pythia_recipe import pythia_checkpoint_steps, pythia_recipe
 from cram.train.throughput import crammed_bert_flops_per_token, gpt_neox_flops_per_token
 
 CRAMMED_BERT_PRESETS = {
