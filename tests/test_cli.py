@@ -65,6 +65,8 @@ def test_help_lists_the_choices_and_the_dashed_spellings_first(name, monkeypatch
     # Each option line starts with its dashed spelling; the underscored one only follows it on the same line.
     option_lines = [line.strip() for line in help_text.splitlines() if line.strip().startswith("--")]
     assert not [line for line in option_lines if "_" in line.split()[0]], option_lines
+    listed = [line.split()[0] for line in help_text.splitlines() if line.startswith("  --")]  # not wrapped text
+    assert len(listed) == len(set(listed)), f"an option listed twice: {listed}"
     usage = help_text.split("\n\n")[0]
     assert "--" in usage and not re.search(r"--\w*_", usage), usage
     # The description is the docstring's whole first paragraph, not a first line cut mid-sentence.

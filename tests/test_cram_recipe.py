@@ -369,12 +369,6 @@ def test_the_recipe_trains_on_a_set_made_by_prepare_data(tmp_path, recipe_env, e
 
 
 @pytest.mark.launch
-def test_help_lists_every_option_once():
-    completed = run([sys.executable, RECIPE, "--help"])
-    assert completed.returncode == 0
-    assert completed.stdout.count("\n  --micro-batch-size") == 1 and "--budget" in completed.stdout
-
-
 @pytest.mark.slow
 def test_a_compiled_run_saves_a_plain_checkpoint(tmp_path, recipe_env):
     output_dir = tmp_path / "run"

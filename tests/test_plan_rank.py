@@ -4,6 +4,8 @@ configuration (on recorded timings, no launch); and timing that goes on until th
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -157,3 +159,36 @@ def test_the_written_plan_says_what_its_days_leave_out(tmp_path):
                          hardware_price=None)
     write_reports({"title": "t", "rows": rows, "left_out_of_days": ["data loading"]}, tmp_path)
     assert (tmp_path / "plan.md").read_text().endswith("Left out of the days:\n- data loading\n")
+
+
+def test_the_leaders_are_launched_again_at_their_measured_micro_batch_and_the_plan_ranks_their_paired_times(
+        tmp_path, monkeypatch):
+    # The real probe's timing launch runs in tests/test_plan_recipe.py (--verify sends the same request); here the
+    # launch is scripted: zero2-offload, slower in the sweep, is faster side by side and takes the lead.
+    from cram.plan import pick
+    from cram.plan.peak_memory import Shape
+    from cram.plan.sweep import Setting
+
+    requests = []
+
+    def launch_probe(accelerate_file, request, request_file, timeout):
+        requests.append(request)
+        name = Candidate(**request["candidate"]).name
+        assert Path(accelerate_file).is_file() and Path(request_file).name == f"{name}.request.json"
+        assert Path(request["result"]) == tmp_path / "side-by-side" / f"{name}.json"
+        median = {"zero1": 2.0, "zero2-offload": 1.5}[name]
+        return {"status": "ok", "step_time": {"steps": around(median, 0.01, 4)}}
+
+    monkeypatch.setattr(pick, "launch_probe", launch_probe)
+    rows = estimate([measured("zero1", 2.0, 0.01, 1.0), measured("zero2-offload", 2.2, 0.01, 1.0)])
+    setting = Setting("pythia-14m", 2048, 1024, 8, False, "GPU", None, warmup_steps=2, timed_steps=4)
+    shape = Shape(parameters=10**6, layers=2, hidden=128, vocab=50304, seq_len=2048, predicted_fraction=1.0,
+                  num_devices=8, on_cpu=False, zero_init=True)
+    candidates = [CANDIDATES["zero1"], CANDIDATES["zero2-offload"]]
+    ranked = pick.time_leaders_again(rows, candidates, setting, 2, tmp_path, "GPTNeoXLayer", shape, 60.0, estimate)
+    assert [Candidate(**request["candidate"]).name for request in requests] == [
+        "zero1", "zero2-offload", "zero2-offload", "zero1"]
+    assert all(request["mode"] == "time" and request["micro_batch"] == 8 and request["timed_steps"] == 4
+               and request["spread_bound"] == 0.0 for request in requests)
+    assert [row["candidate"] for row in ranked][:2] == ["zero2-offload", "zero1"]
+    assert ranked[0]["paired"]["rounds"] == 2 and ranked[0]["sweep_step_time"]["median"] == 2.2
