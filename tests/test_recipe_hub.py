@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from hub_standin import HubStandIn, closed_port
-from launching import run
+from launching import run, run_recipe_in_process
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "cram.py"
@@ -70,9 +70,10 @@ def test_with_no_hub_reachable_the_local_checkpoint_is_complete_and_the_error_is
     assert summary["optimizer_steps"] == 2
 
 
-def test_a_bad_repository_name_is_refused_before_training(tmp_path, env):
-    command = [sys.executable, RECIPE, *RUN, "--output-dir", tmp_path / "run", "--push-to-hub", "no-slash"]
-    completed = run(command, env=env)
-    assert completed.returncode == 2 and completed.stderr.startswith("error: ")
-    assert len(completed.stderr.strip().splitlines()) == 1
+def test_a_bad_repository_name_is_refused_before_training(tmp_path, monkeypatch, capsys):
+    # Refused while the options are checked, before anything starts: in this process, as tests/test_cli.py's are.
+    status, stderr = run_recipe_in_process(monkeypatch, capsys, RECIPE, [
+        *RUN, "--output-dir", tmp_path / "run", "--push-to-hub", "no-slash"])
+    assert status == 2 and stderr.startswith("error: ")
+    assert len(stderr.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
