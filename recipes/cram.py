@@ -40,7 +40,8 @@ from cram.train.deepspeed_setup import check_optimizer_for_deepspeed, configure_
 from cram.train.optim import Optimizer, build_adamw
 from cram.train.precision import enable_tf32
 from cram.train.ramp import BudgetRamp, Pace, full_accumulation, ramp_accumulation
-from cram.train.run import RecipeRun, RunOptions, check_run_options
+from cram.train.run import RecipeRun
+from cram.train.run_options import RunOptions, check_run_options
 from cram.train.throughput import crammed_bert_flops_per_token
 
 Preset = Literal[tuple(CRAMMED_BERT_RECIPES)]
@@ -208,7 +209,9 @@ def main() -> None:
         eight_bit=training.optimizer == "adamw-8bit",
     )
     session = run.start(model, optimizer, training, facts={  # what a resumed run must share with the saved one
-        "training": dataclasses.asdict(training),
+        # The options as resolved, so that naming a default explicitly on resuming is no difference.
+        "training": {**dataclasses.asdict(training), "data": data_source(training), "micro_batch_size": micro_batch,
+                     "target_batch_size": None if batching.follows_budget else batching.target_batch_size},
         "data": {"set": data.path.name, "blocks": len(data.dataset), "vocab_size": config.vocab_size},
         "launch": {"distributed_type": str(accelerator.distributed_type), "num_processes": accelerator.num_processes},
     }, resolved={

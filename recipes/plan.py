@@ -28,6 +28,7 @@ from transformers import PretrainedConfig
 from cram.cli import OptionParser, option, parse_strictly, summary
 from cram.devices import cpu_has_bf16_units
 from cram.errors import UserError, run_cli
+from cram.models.crammed_bert_recipe import crammed_bert_recipe
 from cram.plan.cost import hardware_price, parse_target, predicted_step_seconds
 from cram.plan.models import (
     MODEL_NAMES,
@@ -55,7 +56,7 @@ from cram.plan.sweep import Setting, sweep
 from cram.plan.timing import matmul_flops
 from cram.train.accelerator import launch_device_type
 from cram.train.optim import OPTIMIZERS
-from cram.train.run import RunOptions, default_num_workers
+from cram.train.run_options import RunOptions, default_num_workers
 from cram.train.throughput import gpu_for_device_name, peak_flops_for_name
 
 # The recipes' own interval of time-based training-state saves (--checkpoint-every-minutes).
@@ -65,6 +66,7 @@ SIZE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2*
               "gb": 10**9, "tb": 10**12}
 
 ModelName = Literal[MODEL_NAMES]
+PYTHIA, PAPER = recipe_for("pythia-1b"), crammed_bert_recipe("crammed-bert")  # for the help lines
 
 
 @dataclass
@@ -74,9 +76,11 @@ class PlanOptions:
     memory_limit: str | None = option(
         None, "memory per device, e.g. 2GiB: exceeding it counts as out of memory (unset: the GPU's memory; on "
               "the CPU the available RAM shared by the processes)")
-    seq_len: int | None = option(None, "tokens per sequence; unset means the recipe's (2048 Pythia, 128 BERT)")
+    seq_len: int | None = option(
+        None, f"tokens per sequence; unset means the recipe's ({PYTHIA.seq_len} Pythia, {PAPER.seq_len} BERT)")
     global_batch_size: int | None = option(
-        None, "sequences per optimizer step; unset means the recipe's (1024 Pythia, 8192 BERT)")
+        None, f"sequences per optimizer step; unset means the recipe's ({PYTHIA.global_batch_size} Pythia, "
+              f"{PAPER.target_batch_size} BERT)")
     candidates: str = option("", "comma-separated candidate names to sweep (empty: the whole space)")
     optimizers: str = option("adamw", "optimizer axis, comma-separated: adamw, adamw-8bit")
     warmup_steps: int = option(3, "optimizer steps run before timing (compilation, offload buffers, allocator)")

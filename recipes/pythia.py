@@ -44,7 +44,14 @@ from cram.models.pythia_model import (
     gpt_neox_parameters,
     pythia_config,
 )
-from cram.models.pythia_recipe import PythiaRecipe, pythia_checkpoint_steps, pythia_recipe
+from cram.models.pythia_recipe import (
+    GLOBAL_BATCH,
+    SEQUENCE_LENGTH,
+    TRAIN_STEPS,
+    PythiaRecipe,
+    pythia_checkpoint_steps,
+    pythia_recipe,
+)
 from cram.train.accelerator import launch_device_type, local_main_first
 from cram.train.activation_checkpointing import enable_activation_checkpointing
 from cram.train.budget import StepClock
@@ -55,7 +62,8 @@ from cram.train.optim import build_adamw
 from cram.train.precision import Precision, enable_tf32, gpu_has_bf16_units
 from cram.train.ramp import full_accumulation
 from cram.train.revisions import parse_revision_steps
-from cram.train.run import RecipeRun, RunOptions, check_run_options
+from cram.train.run import RecipeRun
+from cram.train.run_options import RunOptions, check_run_options
 from cram.train.state_memory import check_model_fits
 from cram.train.throughput import gpt_neox_flops_per_token
 
@@ -77,12 +85,12 @@ class TrainingOptions:
     max_steps: int | None = option(
         None, "the schedule's length in optimizer steps: warm-up, cosine and GPT-NeoX's index of a document-level "
               "file all scale to it, so it is a shorter recipe, not Pythia's first steps (for those: --stop-at-step); "
-              "unset means the recipe's 143000")
+              f"unset means the recipe's {TRAIN_STEPS}")
     stop_at_step: int | None = option(
         None, "stop after this step of the schedule, which stays full length (with the index): the run is the first "
               "N steps of Pythia's, its state saved at N to go on from with a later --stop-at-step and --resume auto")
-    seq_len: int | None = option(None, "tokens per sequence; unset means 2048")
-    global_batch_size: int | None = option(None, "sequences per optimizer step; unset means 1024")
+    seq_len: int | None = option(None, f"tokens per sequence; unset means {SEQUENCE_LENGTH}")
+    global_batch_size: int | None = option(None, f"sequences per optimizer step; unset means {GLOBAL_BATCH}")
     micro_batch_size: int = option(8, "sequences per forward pass per process")
     vocab_size: int | None = option(
         None, "embedding rows; unset means the size's (50304 for most); smaller fits a small local BPE")

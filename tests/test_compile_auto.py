@@ -9,7 +9,8 @@ import torch
 import cram.train.accelerator
 from cram.errors import UserError
 from cram.train.compilation import compile_reason, resolve_compile
-from cram.train.run import RecipeRun, RunOptions
+from cram.train.run import RecipeRun
+from cram.train.run_options import RunOptions
 
 
 def test_auto_leaves_the_cpu_eager_and_says_why():

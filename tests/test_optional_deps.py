@@ -14,7 +14,7 @@ from launching import run
 from cram.errors import UserError
 from cram.eval.causal_lm import run_lm_eval
 from cram.eval.glue_report import task_metrics
-from cram.train.run import RunOptions, check_run_options
+from cram.train.run_options import RunOptions, check_run_options
 
 REPO = Path(__file__).resolve().parents[1]
 # Import names of every optional dependency; `None` in sys.modules makes `import X` fail as if X were missing.

@@ -27,7 +27,7 @@ from cram.plan.timing import MemoryGauge
 from cram.train import checkpoint as checkpoint_module
 from cram.train.accelerator import build_accelerator
 from cram.train.ramp import Pace, steps_in_budget
-from cram.train.run import ScheduledCheckpointer
+from cram.train.revisions import ScheduledCheckpointer
 from cram.train.state import TrainState
 
 DAY = 86_400.0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import torch
@@ -19,7 +19,7 @@ from accelerate import Accelerator
 from transformers import PreTrainedTokenizerBase
 
 from cram.errors import UserError
-from cram.train.checkpoint import export_model
+from cram.train.checkpoint import Checkpointer, export_model
 from cram.train.state import TrainState
 
 REVISIONS_FOLDER = "revisions"
@@ -129,3 +129,24 @@ def linked_copy(source: Path, target: Path) -> Path:
 
     shutil.copytree(source, target, copy_function=link)
     return target
+
+
+class ScheduledCheckpointer(Checkpointer):
+    """A `Checkpointer` that also exports the model at the steps of `revisions` (Pythia's 154 released checkpoints);
+    at those steps the training state is saved only where its own interval, or `states_at`, makes it due."""
+
+    def __init__(self, revisions: RevisionSaver | None, *args, states_at: Collection[int] = (), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.revisions = revisions
+        self.states_at = frozenset(states_at)
+        self._state_due = False
+
+    def due(self, state: TrainState, time_due: bool) -> bool:
+        listed = state.optimizer_steps in self.states_at and state.optimizer_steps != self.last_saved_step
+        self._state_due = listed or super().due(state, time_due)
+        return self._state_due or (self.revisions is not None and self.revisions.due(state))
+
+    def save(self, state: TrainState) -> Path | None:
+        if self.revisions is not None and self.revisions.due(state):
+            self.revisions.save(state)
+        return self.save_state(state) if self._state_due else None

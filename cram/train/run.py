@@ -9,21 +9,17 @@ a run (the exported model, summary.json, the model card, the final push).
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from cram.cli import option
 from cram.errors import UserError
-from cram.hub import BackgroundPusher, check_repo_id, push_checkpoint
+from cram.hub import BackgroundPusher, push_checkpoint
 from cram.model_card import ModelCardFacts, write_model_card
-from cram.optional import require_installed
-from cram.train.accelerator import COLLECTIVE_TIMEOUT_MINUTES, build_accelerator, parameter_counts, shut_down
+from cram.train.accelerator import build_accelerator, parameter_counts, shut_down
 from cram.train.budget import WallClock
 from cram.train.checkpoint import (
     Checkpointer,
@@ -34,80 +30,26 @@ from cram.train.checkpoint import (
     load_checkpoint,
     read_checkpoint,
 )
-from cram.train.compilation import CompileChoice, compile_reason, is_compiled
+from cram.train.compilation import compile_reason, is_compiled
 from cram.train.curves import write_training_curves
 from cram.train.loop import train
 from cram.train.optim import optimizer_state_bytes
 from cram.train.precision import Precision
 from cram.train.preemption import Preemption
 from cram.train.ramp import Pace
-from cram.train.revisions import REVISIONS_FOLDER, RevisionSaver, linked_copy, revisions_disk_line
+from cram.train.revisions import (
+    REVISIONS_FOLDER,
+    RevisionSaver,
+    ScheduledCheckpointer,
+    linked_copy,
+    revisions_disk_line,
+)
+from cram.train.run_options import RunOptions, default_num_workers
 from cram.train.state import TrainState
-from cram.train.trackers import TRACKERS, Tracker, flatten_config
+from cram.train.summary import write_summary
+from cram.train.trackers import flatten_config
 
 CURVES_FILE = "training_curves.png"
-
-
-@dataclass
-class RunOptions:
-    """Options that change only speed, memory and bookkeeping."""
-
-    output_dir: str = option(
-        "runs/train", "where the run writes: the model lands in OUTPUT_DIR/final, training states in checkpoints/")
-    precision: Precision = option(
-        "auto", "auto: bf16 on GPUs and CPUs that support it, else fp16 on GPUs, fp32 on CPUs"
-    )
-    compile: CompileChoice = option("auto", "torch.compile; auto: on for GPUs that support it")
-    activation_checkpointing: bool = option(False, "recompute each layer in the backward pass: less memory, slower")
-    num_workers: int | None = option(None, "data loader workers; unset means 2 on GPU, 0 on CPU")
-    log_every: int = option(10, "log every N optimizer steps")
-    report_to: Tracker = option(
-        "none", "experiment tracker (WANDB_MODE=offline works without network)")
-    checkpoint_every: int = option(0, "save a resumable training state every N optimizer steps (0: off)")
-    checkpoint_every_minutes: float = option(30.0, "save a resumable training state every N minutes (0: off)")
-    keep_checkpoints: int = option(2, "how many training states to keep (the newest)")
-    resume: str = option(
-        "none", "auto (the newest complete state in OUTPUT_DIR/checkpoints, if any), a step-N folder, or none")
-    push_to_hub: str | None = option(
-        None, "ORG/NAME: push the final model, tokenizer, options and a model card to the Hugging Face Hub")
-    hub_public: bool = option(False, "make the Hub repository public (private by default)")
-    push_checkpoints: bool = option(
-        False, "also push each periodic checkpoint's model to the Hub, as the revision step-N")
-    cache_dir: str | None = option(None, "where prepared data is cached; unset means $CRAM_CACHE or ~/.cache/cram")
-    collective_timeout_minutes: float = option(
-        COLLECTIVE_TIMEOUT_MINUTES,
-        "how long a process waits for the others in a collective (a gradient sync, a checkpoint) before failing")
-
-
-def default_num_workers(device_type: str) -> int:
-    """Data loader workers when --num-workers is unset: 2 on GPU; on the CPU, workers would take cores from the
-    model."""
-    return 2 if device_type == "cuda" else 0
-
-
-def check_run_options(options: RunOptions) -> None:
-    """Refuse run options a user got wrong, before anything starts."""
-    output_dir = Path(options.output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        # Found only when the final model is written, this would cost the whole run.
-        raise UserError(f"--output-dir {output_dir} is a file: name a folder (it is made if missing).")
-    if options.report_to not in TRACKERS:
-        raise UserError(f"unknown tracker {options.report_to!r}: choose one of {', '.join(TRACKERS)}.")
-    if options.report_to != "none":
-        require_installed(options.report_to, package=options.report_to, extra=options.report_to,
-                          purpose=f"--report-to {options.report_to}")
-    if options.checkpoint_every < 0 or options.checkpoint_every_minutes < 0:
-        raise UserError("checkpoint intervals cannot be negative: give 0 to turn one off.")
-    if options.keep_checkpoints < 1:
-        raise UserError("--keep-checkpoints must be at least 1: the newest state is what a resumed run needs.")
-    if options.collective_timeout_minutes <= 0:
-        raise UserError(
-            f"--collective-timeout-minutes {options.collective_timeout_minutes:g} is not a positive time: give the "
-            "minutes a process may wait for the others, e.g. 30.")
-    if options.push_to_hub is not None:
-        check_repo_id(options.push_to_hub)
-    elif options.push_checkpoints:
-        raise UserError("--push-checkpoints needs --push-to-hub ORG/NAME: name the repository to push them to.")
 
 
 def device_name(device: torch.device) -> str:
@@ -370,58 +312,3 @@ class RunSession:
             self.preemption.uninstall()
 
 
-class ScheduledCheckpointer(Checkpointer):
-    """A `Checkpointer` that also exports the model at the steps of `revisions` (Pythia's 154 released checkpoints);
-    at those steps the training state is saved only where its own interval, or `states_at`, makes it due."""
-
-    def __init__(self, revisions: RevisionSaver | None, *args, states_at: Collection[int] = (), **kwargs):
-        super().__init__(*args, **kwargs)
-        self.revisions = revisions
-        self.states_at = frozenset(states_at)
-        self._state_due = False
-
-    def due(self, state: TrainState, time_due: bool) -> bool:
-        listed = state.optimizer_steps in self.states_at and state.optimizer_steps != self.last_saved_step
-        self._state_due = listed or super().due(state, time_due)
-        return self._state_due or (self.revisions is not None and self.revisions.due(state))
-
-    def save(self, state: TrainState) -> Path | None:
-        if self.revisions is not None and self.revisions.due(state):
-            self.revisions.save(state)
-        return self.save_state(state) if self._state_due else None
-
-
-def write_summary(
-    state: TrainState, checkpoint: Path, output_dir: Path, blocks: int, flops_per_token: float, parameters: int,
-    parameters_held: int, resume_from: Path | None, optimizer_state: int, load_hint: str,
-) -> None:
-    """OUTPUT_DIR/summary.json, and the run's last words on the console (ending with how to load the model)."""
-    summary = {
-        "optimizer_steps": state.optimizer_steps,
-        "sequences": state.sequences,
-        "tokens": state.tokens,
-        "seconds": round(state.elapsed, 3),  # to the millisecond: the stop is judged against a short micro-batch
-        "tokens_per_second": round(state.tokens_per_second, 1),
-        "epochs": state.sequences // blocks,
-        "first_loss": state.first_loss,
-        "final_loss": state.final_loss,
-        "flops_per_token": flops_per_token,
-        "mfu": state.history[-1].get("mfu"),
-        "peak_memory_gib": max(row["peak_memory_gib"] for row in state.history),
-        "parameters": parameters,
-        "parameters_held_by_rank0": parameters_held,
-        "optimizer_state_bytes_held_by_rank0": optimizer_state,
-        "resumed_from": str(resume_from) if resume_from else None,
-        "checkpoint": str(checkpoint),
-        "history": state.history,
-    }
-    staging = output_dir / "summary.json.tmp"
-    staging.write_text(json.dumps(summary, indent=2) + "\n")
-    staging.replace(output_dir / "summary.json")
-    print(
-        f"\ntrained {state.optimizer_steps} steps, {state.tokens:,} tokens in {state.elapsed:.0f} s "
-        f"({state.tokens_per_second:,.0f} tokens/s, {summary['epochs']} full pass(es) over the data); "
-        f"loss {state.first_loss:.3f} -> {state.final_loss:.3f}\n"
-        f"checkpoint: {checkpoint}\n"
-        f"load it with:\n{load_hint}"
-    )
