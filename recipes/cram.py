@@ -136,6 +136,14 @@ class Batching:
         return cls(micro, training.target_batch_size or recipe.target_batch_size, follows)
 
 
+def resolved_training(training: TrainingOptions, batching: Batching) -> dict:
+    """The training options as resolved, which a resumed run must share with the saved one: naming a default
+    explicitly on resuming is no difference."""
+    return {**dataclasses.asdict(training), "data": data_source(training),
+            "micro_batch_size": batching.micro_batch_size,
+            "target_batch_size": None if batching.follows_budget else batching.target_batch_size}
+
+
 def load_data(
     source: str, config: CrammedBertConfig, cache_dir: str | None, accelerator: Accelerator
 ) -> PreparedData | ReadymadeData:
@@ -209,9 +217,7 @@ def main() -> None:
         eight_bit=training.optimizer == "adamw-8bit",
     )
     session = run.start(model, optimizer, training, facts={  # what a resumed run must share with the saved one
-        # The options as resolved, so that naming a default explicitly on resuming is no difference.
-        "training": {**dataclasses.asdict(training), "data": data_source(training), "micro_batch_size": micro_batch,
-                     "target_batch_size": None if batching.follows_budget else batching.target_batch_size},
+        "training": resolved_training(training, batching),
         "data": {"set": data.path.name, "blocks": len(data.dataset), "vocab_size": config.vocab_size},
         "launch": {"distributed_type": str(accelerator.distributed_type), "num_processes": accelerator.num_processes},
     }, resolved={

@@ -65,3 +65,14 @@ def test_the_planner_plans_the_papers_run_with_the_recipes_model():
         paper.target_batch_size, paper.seq_len, paper.budget_hours, paper.ramp_end)
     assert model_config("crammed-bert-tiny", 64).to_dict() == \
         crammed_bert_recipe("tiny").model_config(max_position_embeddings=64).to_dict()
+
+
+def test_a_resumed_run_compares_its_options_as_resolved(cram_recipe):
+    def resolved(**options) -> dict:
+        training = cram_recipe.TrainingOptions(preset="tiny", max_steps=10, **options)
+        return cram_recipe.resolved_training(training, cram_recipe.Batching.resolve(training, "cuda"))
+
+    recipe = crammed_bert_recipe("tiny")
+    assert resolved() == resolved(micro_batch_size=recipe.micro_batch_size, data=recipe.data,
+                                  target_batch_size=recipe.target_batch_size)
+    assert resolved() != resolved(micro_batch_size=recipe.micro_batch_size // 2)

@@ -3,7 +3,6 @@ config pair and command, the days and cost said, the projection to other hardwar
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from cram.plan.peak_memory import Shape
 from cram.plan.rank import leading_candidates, time_side_by_side
 from cram.plan.report import write_reports
 from cram.plan.space import Candidate
-from cram.plan.sweep import Setting
+from cram.plan.sweep import Setting, probe_request
 
 # What `days` does not include yet: labelled in the table and the printed estimate.
 LEFT_OUT_OF_DAYS = (
@@ -31,13 +30,9 @@ LEFT_OUT_OF_DAYS = (
 def timing_request(setting: Setting, candidate: Candidate, row: dict, timed_steps: int, max_timed_steps: int,
                    spread_bound: float, result_file: Path) -> dict:
     """A probe that times `candidate` at the micro-batch `row` measured for it, without searching again."""
-    return {
-        "mode": "time", "model": setting.model, "candidate": candidate.to_dict(), "seq_len": setting.seq_len,
-        "global_batch_size": setting.global_batch_size, "memory_limit_bytes": row["memory_limit_bytes"],
-        "micro_batch": row["micro_batch"], "warmup_steps": setting.warmup_steps, "timed_steps": timed_steps,
-        "max_timed_steps": max_timed_steps, "spread_bound": spread_bound, "precision": "auto", "compile": "auto",
-        "cache_dir": os.environ.get("CRAM_CACHE"), "num_workers": setting.num_workers, "result": str(result_file),
-    }
+    return probe_request(setting, candidate, result_file, mode="time", memory_limit_bytes=row["memory_limit_bytes"],
+                         micro_batch=row["micro_batch"], timed_steps=timed_steps, max_timed_steps=max_timed_steps,
+                         spread_bound=spread_bound)
 
 
 def time_leaders_again(rows: list[dict], candidates: list[Candidate], setting: Setting, rounds: int, work_dir: Path,

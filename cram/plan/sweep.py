@@ -51,6 +51,15 @@ class Setting:
         return f"{self.model}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
+def probe_request(setting: Setting, candidate: Candidate, result_file: Path, **fields) -> dict:
+    """What a probe launch (`cram.plan.probe`) is asked: the model, batch shape, warm-up and data loading of
+    `setting`, for `candidate`, its result to `result_file`; `fields` say what to search or time."""
+    return {"model": setting.model, "candidate": candidate.to_dict(), "seq_len": setting.seq_len,
+            "global_batch_size": setting.global_batch_size, "warmup_steps": setting.warmup_steps,
+            "precision": "auto", "compile": "auto", "cache_dir": os.environ.get("CRAM_CACHE"),
+            "num_workers": setting.num_workers, "result": str(result_file), **fields}
+
+
 def library_versions() -> dict[str, str]:
     """The installed versions, "absent" for DeepSpeed where the base install runs without it."""
     return {package: installed_version(package) for package in ("torch", "transformers", "accelerate", "deepspeed")}
@@ -164,16 +173,10 @@ def sweep(candidates: list[Candidate], setting: Setting, shape: Shape, limit_byt
             continue
         accelerate_file = write_pair(candidate, cache / "pairs", setting.num_processes, setting.use_cpu,
                                      layer_class, shape.hidden, shape.zero_init)
-        request = {
-            "mode": "search", "model": setting.model, "candidate": candidate.to_dict(),
-            "seq_len": setting.seq_len, "global_batch_size": setting.global_batch_size,
-            "memory_limit_bytes": setting.memory_limit_bytes,
-            "seed_micro_batch": seed_micro_batch(candidate, shape, limit_bytes),
-            "warmup_steps": setting.warmup_steps, "timed_steps": setting.timed_steps,
-            "max_timed_steps": setting.max_timed_steps, "spread_bound": setting.spread_bound,
-            "precision": "auto", "compile": "auto", "cache_dir": os.environ.get("CRAM_CACHE"),
-            "num_workers": setting.num_workers, "result": str(cached),
-        }
+        request = probe_request(
+            setting, candidate, cached, mode="search", memory_limit_bytes=setting.memory_limit_bytes,
+            seed_micro_batch=seed_micro_batch(candidate, shape, limit_bytes), timed_steps=setting.timed_steps,
+            max_timed_steps=setting.max_timed_steps, spread_bound=setting.spread_bound)
         result = search_and_time(request, accelerate_file, cache / f"{candidate.name}.request.json", timeout)
         result["measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         write_atomically(cached, json.dumps(result, indent=2) + "\n")
