@@ -16,6 +16,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,6 +32,7 @@ from launching import (
     TWO_PROCESS_LAUNCHES,
     StartedProcess,
     accelerate_launch,
+    generated_code_per_process,
     run,
     started,
     wait_until,
@@ -171,6 +173,26 @@ def test_a_deepspeed_json_that_conflicts_with_the_recipes_batch_is_refused(tmp_p
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
+def test_each_optimizer_step_takes_one_blocking_collective_on_the_training_devices_group(tmp_path, recipe_env):
+    # At an accumulation of 8 the loop reads the clock and the signal before the step and after each of its first
+    # 7 micro-batches: only the first reading may be a collective on the training device's group (on a GPU each
+    # one there drains the device's queue); the others, and the log row's loss, go over the host-side group.
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [torchrun, "--standalone", "--nproc_per_node", "2", REPO / "tests" / "count_collectives.py", tmp_path]
+    completed = run(command, cwd=REPO, env=recipe_env)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert record["num_processes"] == 2
+        *steps, after_the_last = record["steps"]
+        assert [step["micro_batches"] for step in steps] == [8, 8, 8]
+        assert [step["default"] for step in steps] == [1, 1, 1]
+        # Still read after every micro-batch but a step's last, on every process (step 1 has no log row before it).
+        assert [step["other"] for step in steps] == [7, 8, 8]
+        assert (after_the_last["default"], after_the_last["other"]) == (1, 1)  # the reading that ends the run, the row
+
+
 def rank_process(launcher: StartedProcess, rank: int) -> psutil.Process:
     """The training process of `rank` among the launcher's descendants."""
     for child in psutil.Process(launcher.pid).children(recursive=True):
@@ -278,9 +300,8 @@ def test_a_compiled_two_process_run_trains_through_inductors_code_and_saves_a_pl
     run = two_process_run(name)
     resolved = json.loads((run.output_dir / "final" / "cram_options.json").read_text())["resolved"]
     assert resolved["compile"] is True and resolved["num_processes"] == 2
-    # Inductor writes the code it generates to its cache: the trace that the steps ran through a compiled model.
-    generated = [path for path in run.inductor_cache.rglob("*.py") if "def call(" in path.read_text()]
-    assert generated, "no code was compiled"
+    # Each process ran its forward and backward through inductor's code.
+    assert generated_code_per_process(run.compile_trace) == [2, 2]
     # The saved names are the model's own, so every weight loads (a compiled model's `_orig_mod.` names would leave
     # from_pretrained initialising all of them afresh, silently).
     saved = load_file(run.output_dir / "final" / "model.safetensors")
@@ -292,6 +313,6 @@ def test_a_compiled_two_process_run_trains_through_inductors_code_and_saves_a_pl
 
 @pytest.mark.slow
 def test_an_eager_run_generates_no_code(two_process_run):
-    # The contrast that gives the check above its meaning: the same cache stays free of generated code.
+    # The contrast that gives the check above its meaning: the same trace shows no generated code.
     run = two_process_run("ddp-slowed-preparation")
-    assert not [path for path in run.inductor_cache.rglob("*.py") if "def call(" in path.read_text()]
+    assert not any(generated_code_per_process(run.compile_trace))

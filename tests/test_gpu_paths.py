@@ -85,10 +85,10 @@ def test_mfu_on_four_processes_divides_by_the_peak_of_four_devices(gpu):
     logged: list[dict] = []
     four_processes = SimpleNamespace(
         num_processes=4, device=torch.device("cuda", 0),
-        reduce=lambda tensor, reduction: tensor, log=lambda row, step: logged.append(row),
+        log=lambda row, step: logged.append(row),
     )
     state = TrainState()
-    meter = Meter(four_processes, flops_per_token=1e9, state=state)
+    meter = Meter(four_processes, flops_per_token=1e9, state=state, mean_over_processes=lambda value: value)
     state.optimizer_steps, state.sequences, state.tokens = 1, 64, 64 * 128  # counted over all four processes
     meter.log(state, torch.tensor(5.0), 1e-3, 64, None, None)
     row = logged[0]

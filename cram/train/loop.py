@@ -15,13 +15,13 @@ import math
 import resource
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
+from cram.train.agreement import Agreement
 from cram.train.budget import MicroBatchPace, WallClock
 from cram.train.preemption import Preemption
 from cram.train.ramp import Pace, micro_batches_that_fit
@@ -68,8 +68,10 @@ def train(
 ) -> bool:
     """Train from `state` until the clock's progress reaches 1; True if it did, False if a signal stopped it first.
 
-    `state` is updated in place. The clock and the signal are read after every micro-batch, and each step is held
-    to the micro-batches the rest of a wall-clock budget holds at the measured speed (`micro_batches_that_fit`),
+    `state` is updated in place. The clock and the signal are read after every micro-batch (on several processes
+    agreed on the host; the one blocking collective on the training device is the reading before each step:
+    `cram.train.agreement`), and each step is held to the micro-batches the rest of a wall-clock budget holds at
+    the measured speed (`micro_batches_that_fit`),
     so the run ends within one micro-batch of its budget or a signal. A step the budget or a signal cuts short is
     dropped, not taken on the micro-batches it has: its gradients are not yet synchronised across processes (the
     sync happens on a step's last micro-batch), and at the end of a budget its learning rate is about 0 anyway.
@@ -78,16 +80,17 @@ def train(
     they step, ramp, checkpoint and stop together: one that stopped alone would leave the others waiting in a
     gradient all-reduce.
     """
-    meter = Meter(accelerator, flops_per_token, state)
-    bar = ProgressBar(clock) if show_progress and accelerator.is_main_process else None
     pace = MicroBatchPace()
+    agreement = Agreement(accelerator, clock, state, pace, preemption)
+    meter = Meter(accelerator, flops_per_token, state, agreement.mean, clock.now)
+    bar = ProgressBar(clock) if show_progress and accelerator.is_main_process else None
     loss = lr = sequences = grad_norm = None
     stop = False
 
     def cut_short(micro_batches_done: int, accumulation: int) -> bool:
         """Read the clock and the signal between micro-batches; True ends the step (and the run) here."""
         nonlocal stop
-        between = _agree(accelerator, clock, state, pace, preemption, None)
+        between = agreement.between_micro_batches()
         stop = _stop_signalled(between.stop_signal, preemption)
         if bar is not None:
             bar.tick(state, f"step {state.optimizer_steps + 1}: {micro_batches_done}/{accumulation} micro-batches")
@@ -96,7 +99,8 @@ def train(
     model.train()
     clock.start(state.elapsed, state.optimizer_steps)
     while True:
-        reading = _agree(accelerator, clock, state, pace, preemption, checkpointer)
+        reading = agreement.at_step(checkpointer)
+        meter.steps_agreed(state)
         stop = _stop_signalled(reading.stop_signal, preemption)
         if checkpointer is not None and checkpointer.due(state, reading.save_now):
             state.elapsed = clock.elapsed
@@ -137,48 +141,6 @@ def train(
     if bar is not None:
         bar.close()
     return not stop
-
-
-@dataclass(frozen=True)
-class Reading:
-    """One reading shared by every process: rank 0's clock, pace and checkpoint timer, any process's signal."""
-
-    pace: Pace
-    stop_signal: int  # 0: none
-    save_now: bool
-    schedule_progress: float  # where the learning-rate schedule stands (`WallClock.schedule_progress`)
-
-
-def _agree(
-    accelerator: Accelerator, clock: WallClock, state: TrainState, pace: MicroBatchPace,
-    preemption: Preemption | None, checkpointer: Checkpointing | None,
-) -> Reading:
-    """Read the clock, the pace, the signal and the checkpoint timer, and agree on them across processes.
-
-    One process reads them on the host (no device round trip); several take one all-reduce, which also waits for
-    the device to finish the work queued so far."""
-    seconds_per_micro_batch = pace.seconds_per_micro_batch
-    readings = [
-        clock.progress(state.optimizer_steps),
-        clock.limit_left(),
-        -1.0 if seconds_per_micro_batch is None else seconds_per_micro_batch,
-        float(pace.steady_steps),
-        float(preemption.signal or 0) if preemption is not None else 0.0,
-        float(checkpointer is not None and checkpointer.time_due()),
-        clock.schedule_progress(state.optimizer_steps - state.skipped_steps),
-    ]
-    if accelerator.num_processes > 1:
-        shared = torch.tensor(readings, dtype=torch.float64, device=accelerator.device)
-        if accelerator.process_index != 0:
-            shared[[0, 1, 2, 3, 5, 6]] = -math.inf  # a maximum over processes then yields rank 0's values
-        torch.distributed.all_reduce(shared, op=torch.distributed.ReduceOp.MAX)
-        readings = shared.tolist()
-    progress, seconds_left, seconds_per_micro_batch, steady_steps, stop_signal, save_now, schedule = readings
-    return Reading(
-        Pace(progress, seconds_left, None if seconds_per_micro_batch < 0 else seconds_per_micro_batch,
-             int(steady_steps)),
-        int(stop_signal), bool(save_now), schedule,
-    )
 
 
 def _stop_signalled(stop_signal: int, preemption: Preemption | None) -> bool:
@@ -225,27 +187,48 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class Meter:
-    """Throughput since the previous log row, model FLOP/s and MFU, peak memory; to the tracker and the bar."""
+    """Throughput since the previous log row, model FLOP/s and MFU, peak memory; to the tracker and the bar. And the
+    run's steady throughput (`TrainState.steady_tokens` over `steady_seconds`): every session's time after its first
+    step, which pays for warm-up and compilation, to the reading before each later step, which waits for the device.
 
-    def __init__(self, accelerator: Accelerator, flops_per_token: float | None, state: TrainState):
+    `mean_over_processes` averages a host-side figure (the loss) over the processes without a device collective."""
+
+    def __init__(self, accelerator: Accelerator, flops_per_token: float | None, state: TrainState,
+                 mean_over_processes: Callable[[float], float], now: Callable[[], float] = time.perf_counter):
         self.accelerator = accelerator
         self.flops_per_token = flops_per_token
+        self.mean_over_processes = mean_over_processes
+        self.now = now
         # The token rate counts every process, so the peak is that of all the processes' devices together.
         self.peak = peak_flops(accelerator.device, accelerator.num_processes)
-        self.since = time.perf_counter()
+        self.since = now()
         self.tokens_then = state.tokens
         self.sequences_then = state.sequences
+        self.session_start = (state.optimizer_steps, state.steady_tokens, state.steady_seconds)
+        self.steady_since: tuple[float, int] | None = None  # (time, tokens) at the end of the session's first step
+
+    def steps_agreed(self, state: TrainState) -> None:
+        """Extend the steady span to now, the reading before a step (or the run's end)."""
+        steps_before, tokens_before, seconds_before = self.session_start
+        if state.optimizer_steps == steps_before:
+            return
+        if self.steady_since is None:
+            self.steady_since = (self.now(), state.tokens)
+            return
+        since, tokens_then = self.steady_since
+        state.steady_tokens = tokens_before + state.tokens - tokens_then
+        state.steady_seconds = seconds_before + self.now() - since
 
     def log(
         self, state: TrainState, loss: torch.Tensor, lr: float, sequences: int, grad_norm: torch.Tensor | float | None,
         bar: ProgressBar | None, seconds_per_micro_batch: float | None = None,
     ) -> None:
-        now = time.perf_counter()
+        now = self.now()
         seconds = max(now - self.since, 1e-9)
         tokens_per_second = (state.tokens - self.tokens_then) / seconds
         row = {
             "step": state.optimizer_steps,
-            "loss": self.accelerator.reduce(loss.detach().clone(), reduction="mean").item(),
+            "loss": self.mean_over_processes(loss.item()),
             "lr": lr,
             "batch_size": sequences,
             "tokens_per_second": tokens_per_second,
