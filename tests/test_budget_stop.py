@@ -1,9 +1,11 @@
 """The budget and a stop signal are honoured within one micro-batch, steps fit the budget, short budgets get enough
-steps, and the bar redraws between log rows. All in-process on the real loop, with a fake clock that advances only
-when the loop draws a micro-batch, so time is exact and a loaded machine changes nothing."""
+steps, the bar redraws between log rows, and the summary's throughput leaves out each session's warm-up. All
+in-process on the real loop, with a fake clock that advances only when the loop draws a micro-batch, so time is exact
+and a loaded machine changes nothing."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -28,6 +30,7 @@ from cram.train.optim import build_adamw
 from cram.train.preemption import Preemption
 from cram.train.ramp import BudgetRamp, Pace, micro_batches_that_fit, steps_in_budget
 from cram.train.state import TrainState
+from cram.train.summary import write_summary
 
 MICRO_BATCH = 4
 REPO = Path(__file__).resolve().parents[1]
@@ -173,6 +176,38 @@ def test_sigterm_mid_step_abandons_it_saves_the_last_completed_step_and_the_resu
         assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5), mine["step"]
         assert mine["batch_size"] == theirs["batch_size"]
     assert state.sequences == whole.sequences
+
+
+def summary_of(state: TrainState, folder: Path, peak: float | None) -> dict:
+    write_summary(state, folder / "final", folder, blocks=64, flops_per_token=1e6, parameters=1, parameters_held=1,
+                  resume_from=None, optimizer_state=0, load_hint="", peak=peak)
+    return json.loads((folder / "summary.json").read_text())
+
+
+def test_the_summary_s_tokens_per_second_leaves_out_each_session_s_first_step_and_gives_its_mfu(tmp_path, capsys):
+    # Each session's first micro-batch takes 30 s (compilation, warm-up), every other one 1 s; 2 micro-batches of
+    # 4 × 16 tokens a step, 4 steps and then 2 more after a resume.
+    time = FakeTime()
+
+    def warm_up_first(count: int) -> float:
+        return 30.0 if count == 1 else 1.0
+
+    _, state = run_loop(StepClock(4, now=time), TimedBatches(time, warm_up_first), lambda pace: 2)
+    run_loop(StepClock(6, now=time), TimedBatches(time, warm_up_first, start=state.sequences), lambda pace: 2,
+             state=state)
+    assert state.optimizer_steps == 6 and state.tokens == 6 * 2 * MICRO_BATCH * 16
+    # Steps 2-4 and 6: 8 micro-batches of 1 s; the run's whole time (70 s) would give 11 tokens/s.
+    assert (state.steady_tokens, state.steady_seconds) == (4 * 2 * MICRO_BATCH * 16, 8.0)
+    summary = summary_of(state, tmp_path, peak=1e9)
+    assert summary["tokens_per_second"] == 64.0 == state.history[-1]["tokens_per_second"]  # as the log row says
+    assert summary["mfu"] == pytest.approx(64.0 * 1e6 / 1e9)
+    assert summary["seconds"] == 70.0
+    assert "64 tokens/s after the first step" in capsys.readouterr().out
+
+    _, one_step = run_loop(StepClock(1, now=time), TimedBatches(time, warm_up_first), lambda pace: 2)
+    summary = summary_of(one_step, tmp_path, peak=1e9)
+    assert summary["tokens_per_second"] is None and summary["mfu"] is None  # nothing but warm-up to time
+    assert "no step after the first to time" in capsys.readouterr().out
 
 
 def test_the_budget_following_target_is_the_largest_that_leaves_the_minimum_steps():

@@ -47,6 +47,7 @@ from cram.train.revisions import (
 from cram.train.run_options import RunOptions, default_num_workers
 from cram.train.state import TrainState
 from cram.train.summary import write_summary
+from cram.train.throughput import peak_flops
 from cram.train.trackers import flatten_config
 
 CURVES_FILE = "training_curves.png"
@@ -299,7 +300,7 @@ class RunSession:
         if checkpoint is not None:  # rank 0
             write_summary(state, checkpoint, self.output_dir, blocks, flops_per_token, self.parameters,
                           self.parameters_held, self.run.resume_from, optimizer_state_bytes(self.optimizer),
-                          load_hint)
+                          load_hint, peak_flops(self.accelerator.device, self.accelerator.num_processes))
             write_training_curves(state.history, self.output_dir / CURVES_FILE)
             write_model_card(checkpoint, self.card(state, **card))
         shut_down(self.accelerator)

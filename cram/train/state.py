@@ -19,10 +19,15 @@ class TrainState:
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # one tracker run across resumptions
     # The batch ramp's target once the run has chosen it (`cram.train.ramp.BudgetRamp`): a resumed run keeps it.
     target_batch_size: int | None = None
+    # Tokens trained, and the seconds they took, after each session's first step, which pays for warm-up and
+    # compilation (`cram.train.loop.Meter`): the steady throughput the summary reports, as the log rows measure it.
+    steady_tokens: int = 0
+    steady_seconds: float = 0.0
 
     @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.elapsed if self.elapsed else 0.0
+    def tokens_per_second(self) -> float | None:
+        """The steady throughput, or None before any session has trained past its first step."""
+        return self.steady_tokens / self.steady_seconds if self.steady_seconds > 0 else None
 
     @property
     def first_loss(self) -> float:
