@@ -23,17 +23,15 @@ from typing import Literal
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch
-from transformers import PretrainedConfig
 
 from cram.cli import OptionParser, option, parse_strictly, summary
 from cram.devices import cpu_has_bf16_units
 from cram.errors import UserError, run_cli
 from cram.models.crammed_bert_recipe import crammed_bert_recipe
-from cram.plan.cost import hardware_price, parse_target, predicted_step_seconds
+from cram.plan.cost import hardware_price, parse_target
 from cram.plan.models import (
     MODEL_NAMES,
     check_model_name,
-    flops_per_token,
     is_causal,
     layer_class_name,
     model_config,
@@ -53,11 +51,11 @@ from cram.plan.rank import add_estimates
 from cram.plan.report import markdown_table, write_reports
 from cram.plan.space import candidate_space, select_candidates
 from cram.plan.sweep import Setting, sweep
-from cram.plan.timing import matmul_flops
+from cram.plan.sweep_length import LIMIT_FACTOR, LaunchLimits, predict_step_seconds, predicted_costs
 from cram.train.accelerator import launch_device_type
 from cram.train.optim import OPTIMIZERS
 from cram.train.run_options import RunOptions, default_num_workers
-from cram.train.throughput import gpu_for_device_name, peak_flops_for_name
+from cram.train.throughput import gpu_for_device_name
 
 # The recipes' own interval of time-based training-state saves (--checkpoint-every-minutes).
 RECIPE_CHECKPOINT_MINUTES = next(field.default for field in dataclasses.fields(RunOptions)
@@ -89,7 +87,11 @@ class PlanOptions:
         20, "timed optimizer steps per candidate at most: timing goes on while the spread is above --spread-bound")
     spread_bound: float = option(
         0.05, "the spread (half the interquartile range over the median) at which a candidate's timing stops")
-    candidate_timeout: float = option(3600.0, "seconds one candidate's launch may take before it counts as hung")
+    candidate_timeout: float | None = option(
+        None, "seconds every launch may take before it counts as hung (unset: each launch's own limit, "
+              f"{LIMIT_FACTOR:g} × its predicted time, said before the first launch)")
+    dry_run: bool = option(False, "say the candidates, the sweep's length and each launch's time limit, then stop "
+                                  "before the first launch")
     retry_failed: bool = option(False, "measure again the candidates whose cached result is a failure")
     paired_rounds: int = option(
         3, "rounds in which the sweep's leaders are timed again side by side, interleaved, before the pick (each "
@@ -136,6 +138,9 @@ def parse_options() -> PlanOptions:
             or options.paired_rounds < 0:
         raise UserError("--spread-bound, --price-per-gpu-hour, --checkpoint-every-minutes, --num-workers and "
                         "--paired-rounds cannot be negative: give e.g. 0.05, 2.5, 30, 2 and 3.")
+    if options.candidate_timeout is not None and options.candidate_timeout <= 0:
+        raise UserError("--candidate-timeout must be positive seconds, e.g. 7200, or left unset for each launch's own "
+                        "limit.")
     if options.warmup_steps < 1 or options.timed_steps < 2 or options.verify_steps < 2:
         raise UserError("give at least 1 warm-up step and 2 timed steps (--warmup-steps, --timed-steps, "
                         "--verify-steps): a spread needs two.")
@@ -192,10 +197,13 @@ def main() -> None:
     print(f"planning {options.model} ({shape.parameters:,} parameters, {global_batch} × {seq_len} tokens per step) "
           f"on {num_processes} × {device}, {limit / 2**30:.2f} GiB per device; "
           f"{len(candidates)} of {len(space)} candidates")
-    rows = sweep(candidates, setting, shape, limit, output_dir, layer_class, options.candidate_timeout,
-                 host_limit_bytes=host_limit, retry_failed=options.retry_failed,
-                 predicted_step_seconds=predict_step_seconds(config, setting, device),
-                 paired_rounds=options.paired_rounds, verify_steps=options.verify_steps if options.verify else 0)
+    step_seconds = predict_step_seconds(config, global_batch, seq_len, num_processes, use_cpu, device)
+    limits = LaunchLimits(predicted_costs(shape, step_seconds, output_dir), options.candidate_timeout)
+    rows = sweep(candidates, setting, shape, limit, output_dir, layer_class, limits,
+                 host_limit_bytes=host_limit, retry_failed=options.retry_failed, paired_rounds=options.paired_rounds,
+                 verify_steps=options.verify_steps if options.verify else 0, dry_run=options.dry_run)
+    if options.dry_run:
+        return
     gpu = None if use_cpu else gpu_for_device_name(device)
     price = hardware_price(num_processes, gpu) if gpu else None
 
@@ -208,7 +216,7 @@ def main() -> None:
     rows = estimate(rows)
     if options.paired_rounds:
         rows = time_leaders_again(rows, candidates, setting, options.paired_rounds, output_dir, layer_class, shape,
-                                  options.candidate_timeout, estimate)
+                                  limits, estimate)
 
     # Report: table, chart, the winner's config pair and command, projection, verification.
     shrunk = (seq_len, global_batch) != (recipe.seq_len, recipe.global_batch_size)
@@ -233,24 +241,9 @@ def main() -> None:
         plan["projection"] = report_projection(options.target, winner, recipe.steps, device)
     if options.verify:
         plan["verify"] = verify(winner, winning, setting, options.verify_steps, accelerate_file, output_dir,
-                                options.candidate_timeout)
+                                limits)
     write_reports(plan, output_dir)
     print(f"table: {output_dir / 'plan.md'}, chart: {output_dir / 'plan.png'}, data: {output_dir / 'plan.json'}")
-
-
-def predict_step_seconds(config: PretrainedConfig, setting: Setting, device: str) -> float | None:
-    """A step's seconds before any is measured (`cram.plan.cost.predicted_step_seconds`): from the GPU table's
-    peak, or on the CPU from this process's matrix-product rate (the processes share the cores); None for a GPU
-    the table does not hold."""
-    if setting.use_cpu:
-        peak = matmul_flops(torch.bfloat16 if cpu_has_bf16_units() else torch.float32)
-    else:
-        one_device = peak_flops_for_name(device)
-        if one_device is None:
-            return None
-        peak = one_device * setting.num_processes
-    return predicted_step_seconds(setting.global_batch_size * setting.seq_len,
-                                  flops_per_token(config, setting.seq_len), peak)
 
 
 def check_something_fits(space, shape: Shape, limit: int, num_processes: int) -> None:

@@ -20,7 +20,7 @@ from cram.plan.days import (
     training_seconds_in_budget,
 )
 from cram.plan.models import recipe_for
-from cram.plan.rank import add_estimates
+from cram.plan.rank import add_estimates, revision_share
 from cram.plan.report import markdown_table
 from cram.plan.space import Candidate
 from cram.plan.timing import MemoryGauge
@@ -127,14 +127,24 @@ def row(median: float, accumulation: int, save_seconds: float) -> dict:
             "save_seconds": save_seconds, "flops_per_token": 10.0, "peak_flops_per_device": 1e3}
 
 
-def test_step_run_days_add_every_save_at_the_measured_save_time():
+def test_step_run_days_add_every_save_at_the_measured_save_time_and_each_revision_at_its_own():
     (estimated,) = add_estimates([row(1.0, 1, 0.5)], steps=10, budget_hours=None, tokens_per_step=100,
                                  hardware_price=None, checkpoint_steps=(0, 4, 10), checkpoint_every_seconds=2.0)
-    assert estimated["saves"] == 6 and estimated["save_days"] == pytest.approx(3.0 / DAY)
-    assert estimated["days"] == pytest.approx((10 * 1.0 + 6 * 0.5) / DAY)
+    # 3 revisions (the model alone: fp32 weights of a 4 + 12 byte fp32 ZeRO state) and 3 time-based states.
+    assert estimated["saves"] == 6 and estimated["revisions"] == 3
+    assert estimated["revision_seconds"] == pytest.approx(0.5 * 4 / 16)
+    assert estimated["save_days"] == pytest.approx((3 * 0.5 + 3 * 0.125) / DAY)
+    assert estimated["days"] == pytest.approx((10 * 1.0 + 3 * 0.5 + 3 * 0.125) / DAY)
     # The FLOP-based comparison is of the training alone: 1000 tokens × 10 FLOPs over 2 devices at 1000 FLOP/s.
     assert estimated["measured_over_analytic"] == pytest.approx(10.0 / 5.0)
-    assert "| 6 × 0.50 |" in markdown_table([estimated])
+    assert "| 3 × 0.50 + 3 revisions × 0.12 |" in markdown_table([estimated])
+
+
+def test_a_revision_costs_the_models_share_of_the_saved_bytes():
+    mixed = {**row(1.0, 1, 1.0), "mixed_precision": "bf16"}  # ZeRO: 16-bit weights beside 12 bytes of fp32 state
+    assert revision_share(mixed) == pytest.approx(2 / 14)
+    ddp = {**mixed, **Candidate().to_dict()}  # fp32 weights beside Adam's two moments
+    assert revision_share(ddp) == pytest.approx(4 / 12)
 
 
 def test_budget_run_steps_follow_the_ramp_in_what_the_saves_leave():
@@ -192,7 +202,7 @@ def test_a_faster_step_with_slow_saves_loses_the_pick_to_the_shorter_run():
     fast_steps.update(candidate="zero3-offload", **Candidate("zero3", offload=True).to_dict())
     quick_saves.update(candidate="zero2", **Candidate("zero2").to_dict())
     ranked = add_estimates([fast_steps, quick_saves], steps=1000, budget_hours=None, tokens_per_step=100,
-                           hardware_price=None, checkpoint_steps=(0, 500, 1000))
-    # 1000 × 1.0 + 3 × 100 = 1300 s against 1000 × 1.1 + 3 × 1 = 1103 s.
+                           hardware_price=None, checkpoint_every_seconds=400.0)
+    # A training state every 400 and every 364 steps: 1000 × 1.0 + 2 × 100 = 1200 s against 1000 × 1.1 + 2 × 1.
     assert [row["candidate"] for row in ranked] == ["zero2", "zero3-offload"] and not ranked[0]["tie"]
-    assert ranked[0]["step_seconds_with_saves"] == pytest.approx(1.103)
+    assert ranked[0]["step_seconds_with_saves"] == pytest.approx(1.102)

@@ -19,6 +19,7 @@ from cram.plan.rank import (
 )
 from cram.plan.report import markdown_table, write_reports
 from cram.plan.space import Candidate
+from cram.plan.sweep_length import LaunchLimits
 from cram.plan.timing import SettlingClock, StepTimes
 
 GIB = 2**30
@@ -185,7 +186,8 @@ def test_the_leaders_are_launched_again_at_their_measured_micro_batch_and_the_pl
     shape = Shape(parameters=10**6, layers=2, hidden=128, vocab=50304, seq_len=2048, predicted_fraction=1.0,
                   num_devices=8, on_cpu=False, zero_init=True)
     candidates = [CANDIDATES["zero1"], CANDIDATES["zero2-offload"]]
-    ranked = pick.time_leaders_again(rows, candidates, setting, 2, tmp_path, "GPTNeoXLayer", shape, 60.0, estimate)
+    ranked = pick.time_leaders_again(rows, candidates, setting, 2, tmp_path, "GPTNeoXLayer", shape,
+                                     LaunchLimits.fixed(60.0), estimate)
     assert [Candidate(**request["candidate"]).name for request in requests] == [
         "zero1", "zero2-offload", "zero2-offload", "zero1"]
     assert all(request["mode"] == "time" and request["micro_batch"] == 8 and request["timed_steps"] == 4

@@ -5,19 +5,25 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from launching import load_recipe, run
 
 from cram.errors import UserError
+from cram.plan import sweep as sweep_module
 from cram.plan.cost import GPUS, amortised_cost, hardware_price, parse_target, project
 from cram.plan.launch import launch_probe
 from cram.plan.models import count_parameters, model_config
 from cram.plan.peak_memory import Shape, predicted_bytes, seed_micro_batch, state_bytes
 from cram.plan.pick import recipe_command_parts, report_projection
-from cram.plan.search import Probe, divisors, largest_micro_batch
+from cram.plan.probe import probe_once
+from cram.plan.search import Probe, divisors, judge_probe, largest_micro_batch
 from cram.plan.space import Candidate, candidate_space, select_candidates
 from cram.plan.sweep import Setting, sweep
+from cram.plan.sweep_length import LaunchLimits
+from cram.plan.timing import MemoryGauge
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,6 +67,35 @@ def test_search_finds_the_exact_limit_of_a_memory_budget(seed, limit, expected):
     assert len(calls) == len(set(calls)) and len(calls) <= 2 * 10 + 2  # doubling then bisection: logarithmic
     if expected == 0:
         assert result.failure == "over the limit"
+
+
+def probe_on_a_gpu(monkeypatch, peak_gib: float, outside_gib: float, limit_gib: float = 80.0) -> Probe:
+    """`probe_once`'s verdict on an 80 GiB GPU (its queries answered here) whose allocator peaked at `peak_gib`
+    while `outside_gib` more were held outside it (context, communicators)."""
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: peak_gib * gib)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: ((80 - peak_gib - outside_gib) * gib, 80 * gib))
+    gauge = MemoryGauge(torch.device("cuda"))
+    monkeypatch.setattr(gauge, "reset", lambda: None)
+    monkeypatch.setattr(gauge, "peak", lambda: peak_gib * gib)
+    accelerator = SimpleNamespace(num_processes=1, device=torch.device("cpu"), is_main_process=True,
+                                  wait_for_everyone=lambda: None)
+    run = SimpleNamespace(request={}, accelerator=accelerator, steps=lambda *_: None, release=lambda: None)
+    return probe_once(run, gauge, 8, limit_gib * gib)
+
+
+def test_a_probe_fits_only_under_the_gpus_memory_less_what_lives_outside_the_allocator(monkeypatch):
+    assert probe_on_a_gpu(monkeypatch, peak_gib=78.0, outside_gib=1.5).fits
+    tight = probe_on_a_gpu(monkeypatch, peak_gib=79.0, outside_gib=1.5)
+    assert not tight.fits and tight.reason == ("79.00 GiB > 78.50 GiB limit (80.00 GiB less 1.50 GiB outside "
+                                               "PyTorch's allocator: CUDA context, communicator buffers)")
+    assert probe_on_a_gpu(monkeypatch, peak_gib=79.0, outside_gib=0.0).fits
+    # A --memory-limit below what the headroom leaves is the binding one, said as before.
+    assert probe_on_a_gpu(monkeypatch, peak_gib=79.0, outside_gib=1.5, limit_gib=60.0).reason == (
+        "79.00 GiB > 60.00 GiB limit")
+    # On the CPU the limit alone decides: there is no device memory outside it.
+    assert judge_probe(8, 79 * 2**30, 80 * 2**30).fits
 
 
 def test_search_stops_at_the_ceiling_and_a_seed_near_the_limit_saves_probes():
@@ -121,6 +156,7 @@ def plan_recipe():
     (["--model", "crammed-bert-tiny", "--candidates", "zero1"], {}, "unknown or invalid candidate"),
     (["--model", "pythia-14m", "--checkpoint-every-minutes", "-5"], {}, "cannot be negative"),
     (["--model", "pythia-14m", "--num-workers", "-1"], {}, "cannot be negative"),
+    (["--model", "pythia-14m", "--candidate-timeout", "0"], {}, "--candidate-timeout must be positive"),
 ])
 def test_bad_input_is_refused_before_anything_runs(plan_recipe, monkeypatch, tmp_path, arguments, env, message):
     monkeypatch.setattr(sys, "argv", ["plan.py", *arguments, "--output-dir", str(tmp_path / "out")])
@@ -128,6 +164,19 @@ def test_bad_input_is_refused_before_anything_runs(plan_recipe, monkeypatch, tmp
         monkeypatch.setenv(name, value)
     with pytest.raises(UserError, match=message):
         plan_recipe.main()
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_dry_run_says_the_sweep_and_each_launchs_limit_and_launches_nothing(plan_recipe, monkeypatch, tmp_path,
+                                                                               capsys):
+    monkeypatch.setattr(sys, "argv", ["plan.py", "--model", "crammed-bert-tiny", "--global-batch-size", "8",
+                                      "--candidates", "ddp,zero2-offload", "--dry-run",
+                                      "--output-dir", str(tmp_path / "out")])
+    monkeypatch.setattr(sweep_module, "search_and_time", lambda *_: pytest.fail("a dry run launched a candidate"))
+    plan_recipe.main()
+    said = capsys.readouterr().out
+    assert "sweep: 2 candidate(s) to launch" in said and "s per build" in said and "s per save" in said
+    assert "a candidate's launch may take" in said and "(3 × its predicted time" in said
     assert not (tmp_path / "out").exists()
 
 
@@ -147,7 +196,8 @@ def test_candidates_that_cannot_run_are_rows_with_reasons_not_crashes(tmp_path):
     shape = Shape.of(config, 128, 2, on_cpu=True, activation_bytes=4)
     setting = Setting("crammed-bert-tiny", 128, 16, 2, True, "CPU", 2**20, 1, 2)
     rows = sweep([Candidate("zero1"), Candidate("fsdp-full"), Candidate("zero2", True, False, "adamw-8bit")],
-                 setting, shape, 2**20, tmp_path, "CrammedBertLayer", timeout=60, say=lambda _: None)
+                 setting, shape, 2**20, tmp_path, "CrammedBertLayer", LaunchLimits.fixed(60),
+                 say=lambda _: None)
     assert [row["status"] for row in rows] == ["infeasible"] * 3
     assert rows[0]["source"] == "memory model" and "GiB at micro-batch 1 > 0.00 GiB limit" in rows[0]["reason"]
     assert rows[1]["source"] == "rules" and "FSDP needs GPUs" in rows[1]["reason"]

@@ -31,8 +31,9 @@ from cram.plan.models import model_config
 from cram.plan.peak_memory import Shape
 from cram.plan.probe import CandidateRun, is_out_of_memory
 from cram.plan.report import markdown_table
-from cram.plan.space import Candidate
-from cram.plan.sweep import Setting, build_offload_optimizer, sweep, sweep_length
+from cram.plan.space import Candidate, candidate_space
+from cram.plan.sweep import Setting, build_offload_optimizer, sweep
+from cram.plan.sweep_length import LaunchCosts, LaunchLimits, format_duration, predict_step_seconds, sweep_length
 
 REPO = Path(__file__).resolve().parents[1]
 # A launcher that starts its worker in a session of its own, as torchrun does, then waits on it.
@@ -164,8 +165,8 @@ def small_sweep(tmp_path: Path, candidates: tuple[Candidate, ...] = (Candidate("
     config = model_config("crammed-bert-tiny", 128)
     shape = Shape.of(config, 128, 2, on_cpu=True, activation_bytes=4)
     setting = Setting("crammed-bert-tiny", 128, 16, 2, True, "CPU", None, 1, 2)
-    return sweep(list(candidates), setting, shape, 2**34, tmp_path, "CrammedBertLayer", timeout=60, say=say,
-                 **options)
+    limits = options.pop("limits", LaunchLimits.fixed(60))
+    return sweep(list(candidates), setting, shape, 2**34, tmp_path, "CrammedBertLayer", limits, say=say, **options)
 
 
 def test_a_failure_is_cached_until_the_libraries_change_or_retry_failed_asks(tmp_path, monkeypatch, measured):
@@ -202,18 +203,65 @@ def test_a_cpu_adam_op_that_does_not_build_is_one_failed_row_and_the_sweep_goes_
 
 def test_the_sweep_says_its_length_before_the_first_launch(tmp_path, measured):
     said: list[str] = []
+    costs = LaunchCosts(step_seconds=2.0, build_seconds=3.0, save_seconds=1.0, start_seconds=20.0)
     small_sweep(tmp_path, (Candidate("zero1"), Candidate("zero2"), Candidate("fsdp-full")), say=said.append,
-                predicted_step_seconds=2.0, paired_rounds=3, verify_steps=10)
+                limits=LaunchLimits(costs, override_seconds=60.0), paired_rounds=3, verify_steps=10)
     assert said[0].startswith("sweep: 2 candidate(s) to launch (0 cached, 1 ruled out") and "measuring" in said[1]
     setting = Setting("crammed-bert-tiny", 128, 16, 2, True, "CPU", None, warmup_steps=1, timed_steps=2,
                       max_timed_steps=5)
-    # 2 launched: each at most 2 × 3 probes (4 divisors of 8) + 1 warm-up + 5 timed + 1 save = 13 steps; then the
-    # 2 leaders × 3 rounds of 1 + 2 steps, and a verification of 1 + 10: 26 + 18 + 11 = 55 steps, 2 + 6 + 1 launches.
-    line = sweep_length(2, 0, 1, setting, 2.0, paired_rounds=3, verify_steps=10)
-    assert "then 7 launch(es)" in line and "at most 9 launches and 55 optimizer steps" in line
-    assert "about 110 s at the predicted 2 s per step" in line
+    # 2 launched: each at most 2 × 3 probes (4 divisors of 8), each a build and a step, then a build, 1 warm-up and
+    # 5 timed steps and a save; then the 2 leaders × 3 rounds of a build, 1 + 2 steps and a save, and a verification
+    # of a build, 1 + 10 steps and a save: 9 launches, 2 × 7 + 7 = 21 builds, 24 + 18 + 11 = 53 steps, 9 saves.
+    to_launch = [Candidate("zero1"), Candidate("zero2")]
+    line = sweep_length(to_launch, 0, 1, setting, LaunchLimits(costs, 60.0), paired_rounds=3, verify_steps=10)
+    assert "then 7 launch(es)" in line
+    assert "at most 9 launches, 21 model builds, 53 optimizer steps and 9 saves" in line
+    # 9 × 20 s of start-up + 21 × 3 s + 53 × 2 s + 9 × 1 s = 358 s.
+    assert "about 6 min at the predicted 2 s per step, 3 s per build, 1 s per save and 20 s per launch's start-up" in (
+        line)
+    assert "each launch may take 60 s (--candidate-timeout)" in line
     assert line.endswith("--candidates NAME,NAME measures fewer")
-    assert "no step time can be predicted" in sweep_length(0, 2, 0, setting, None, 0, 0)
+    assert "no step time can be predicted" in sweep_length([], 2, 0, setting, LaunchLimits.fixed(60), 0, 0)
+
+
+def test_pythia_12b_on_eight_a100s_gets_each_launchs_time_limit_from_its_predicted_length(tmp_path, monkeypatch):
+    config = model_config("pythia-12b", 2048)
+    shape = Shape.of(config, 2048, 8, on_cpu=False, activation_bytes=2)
+    setting = Setting("pythia-12b", 2048, 1024, 8, False, "NVIDIA A100-SXM4-80GB", None, warmup_steps=3,
+                      timed_steps=5, max_timed_steps=20, spread_bound=0.05)
+    step = predict_step_seconds(config, 1024, 2048, 8, False, setting.device)
+    assert 120 < step < 300  # 2 M tokens × 6 × 12 B FLOPs at 35 % of 8 × 312 TFLOP/s: about 3 minutes
+    # The build and save rates are the node's own measurements; here, fixed figures of that order.
+    limits = LaunchLimits(LaunchCosts(step, build_seconds=60.0, save_seconds=170.0))
+    said: list[str] = []
+    rows = sweep(candidate_space(8), setting, shape, 80 * 2**30, tmp_path, "GPTNeoXLayer", limits, say=said.append,
+                 paired_rounds=3, dry_run=True)
+    to_launch = [Candidate(**{key: row[key] for key in ("sharding", "offload", "checkpointing", "optimizer")})
+                 for row in rows if "status" not in row]
+    assert len(said) == 1 and len(to_launch) >= 6  # the dry run launches nothing
+    seconds = {}
+    for candidate in to_launch:
+        # 30 s start-up, 8 probes (8 divisors of 128) each a build and at most a full step, a build, 3 + 20 steps,
+        # a save; a step a third longer where the forward pass is recomputed.
+        candidate_step = step * (8 / 6 if candidate.checkpointing else 1.0)
+        predicted = 30.0 + 9 * 60.0 + (8 + 23) * candidate_step + 170.0
+        assert limits.search_seconds(candidate, setting) == pytest.approx(predicted)
+        seconds[candidate.name] = limits.search_limit(candidate, setting)
+        assert seconds[candidate.name] == pytest.approx(3 * predicted)
+        assert seconds[candidate.name] > 4 * 3600  # the old fixed hour would end every one of them
+    shown = f"{format_duration(min(seconds.values()))} to {format_duration(max(seconds.values()))}"
+    assert f"a candidate's launch may take {shown} (3 × its predicted time" in said[0]
+    assert "--candidate-timeout SECONDS sets one limit for all" in said[0]
+    # The sweep hands each launch its own limit; --candidate-timeout replaces them all.
+    given: dict[str, float] = {}
+    monkeypatch.setattr(sweep_module, "search_and_time", lambda request, accelerate_file, request_file, timeout: (
+        given.update({Candidate(**request["candidate"]).name: timeout}) or {"status": "infeasible", "reason": "-"}))
+    pair = [Candidate("zero3"), Candidate("zero3", offload=True, checkpointing=True)]
+    sweep(pair, setting, shape, 80 * 2**30, tmp_path, "GPTNeoXLayer", limits, say=lambda _: None)
+    assert given == {candidate.name: limits.search_limit(candidate, setting) for candidate in pair}
+    sweep(pair, setting, shape, 80 * 2**30, tmp_path / "again", "GPTNeoXLayer", LaunchLimits(limits.costs, 7200.0),
+          say=lambda _: None)
+    assert set(given.values()) == {7200.0}
 
 
 def test_fsdp_with_eight_bit_adam_is_ruled_out():
@@ -221,7 +269,7 @@ def test_fsdp_with_eight_bit_adam_is_ruled_out():
     shape = Shape.of(config, 128, 2, on_cpu=False, activation_bytes=2)
     setting = Setting("crammed-bert-tiny", 128, 16, 2, False, "GPU", None, 1, 2)
     (row,) = sweep([Candidate("fsdp-full", optimizer="adamw-8bit")], setting, shape, 2**34, Path("unused"),
-                   "CrammedBertLayer", timeout=60, say=lambda _: None)
+                   "CrammedBertLayer", LaunchLimits.fixed(60), say=lambda _: None)
     assert row["source"] == "rules" and "bitsandbytes#1633" in row["reason"]
 
 
@@ -346,6 +394,6 @@ def test_without_deepspeed_the_zero_candidates_are_ruled_out_with_the_extra_to_i
     shape = Shape.of(config, 128, 2, on_cpu=True, activation_bytes=4)
     setting = Setting("crammed-bert-tiny", 128, 16, 2, True, "CPU", None, 1, 2)
     rows = sweep([Candidate("zero2", offload=True), Candidate("zero1")], setting, shape, 2**34, Path("unused"),
-                 "CrammedBertLayer", timeout=60, say=lambda _: None)
+                 "CrammedBertLayer", LaunchLimits.fixed(60), say=lambda _: None)
     assert [row["source"] for row in rows] == ["rules", "rules"] and measured == []
     assert all("cram[deepspeed]" in row["reason"] for row in rows)

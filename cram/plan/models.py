@@ -29,8 +29,8 @@ class Recipe:
     seq_len: int
     steps: int | None  # None: a wall-clock budget decides the length instead
     budget_hours: float | None = None
-    # Steps the model is saved at besides the time-based training states (Pythia's revisions), each counted at a
-    # training state's measured save time: an upper bound, as a revision holds the model alone.
+    # Steps the model is saved at besides the time-based training states (Pythia's revisions), each counted at its
+    # share of a training state's measured save time (`cram.plan.rank.revision_share`): a revision is the model alone.
     checkpoint_steps: tuple[int, ...] = ()
     ramp_end: float | None = None  # the budget fraction at which the batch ramp reaches the full batch; None: none
 

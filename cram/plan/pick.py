@@ -16,6 +16,7 @@ from cram.plan.rank import leading_candidates, time_side_by_side
 from cram.plan.report import write_reports
 from cram.plan.space import Candidate
 from cram.plan.sweep import Setting, probe_request
+from cram.plan.sweep_length import LaunchLimits
 
 # What `days` does not include yet: labelled in the table and the printed estimate.
 LEFT_OUT_OF_DAYS = (
@@ -36,7 +37,7 @@ def timing_request(setting: Setting, candidate: Candidate, row: dict, timed_step
 
 
 def time_leaders_again(rows: list[dict], candidates: list[Candidate], setting: Setting, rounds: int, work_dir: Path,
-                       layer_class: str, shape: Shape, timeout: float,
+                       layer_class: str, shape: Shape, limits: LaunchLimits,
                        estimate: Callable[[list[dict]], list[dict]]) -> list[dict]:
     """The rows after the leaders' side-by-side timing (`cram.plan.rank.time_side_by_side`), estimated again: the
     pick comes from measurements of one sitting, not from timings taken under different loads."""
@@ -53,6 +54,7 @@ def time_leaders_again(rows: list[dict], candidates: list[Candidate], setting: S
         result_file = folder / f"{candidate.name}.json"
         clear_launch_files(result_file)
         request = timing_request(setting, candidate, row, setting.timed_steps, setting.timed_steps, 0.0, result_file)
+        timeout = limits.timing_limit(row, setting.warmup_steps + setting.timed_steps)
         return launch_probe(accelerate_file, request, folder / f"{candidate.name}.request.json", timeout)
 
     time_side_by_side(leaders, rounds, time_again)
@@ -95,8 +97,11 @@ def emit_winner(winner: dict, winning: Candidate, setting: Setting, shape: Shape
 def describe_saves(row: dict) -> str:
     if row["saves"] == 0:
         return "no training-state saves"
-    return (f"{row['saves']} training-state saves of {row['save_seconds']:.2f} s "
-            f"({row['save_days'] * 24:.2f} h)")
+    revisions = row.get("revisions", 0)
+    states = f"{row['saves'] - revisions} training-state saves of {row['save_seconds']:.2f} s"
+    if revisions:
+        states += f" and {revisions} revisions of the model of {row['revision_seconds']:.2f} s"
+    return f"{states} ({row['save_days'] * 24:.2f} h)"
 
 
 def say_pick(winner: dict, rows: list[dict], price_per_gpu_hour: float | None, work_dir: Path, say=print) -> None:
@@ -135,13 +140,14 @@ def report_projection(target: str, winner: dict, steps: int | None, device: str)
 
 
 def verify(winner: dict, winning: Candidate, setting: Setting, verify_steps: int, accelerate_file: Path,
-           work_dir: Path, timeout: float) -> dict:
+           work_dir: Path, limits: LaunchLimits) -> dict:
     """Launch the emitted pair again for `verify_steps` steps at the winner's micro-batch: predicted against
     observed."""
     result_file = work_dir / "verify" / "result.json"
     clear_launch_files(result_file)
-    request = timing_request(setting, winning, winner, verify_steps, max(setting.max_timed_steps or 0, verify_steps),
-                             setting.spread_bound, result_file)
+    most_steps = max(setting.max_timed_steps or 0, verify_steps)
+    request = timing_request(setting, winning, winner, verify_steps, most_steps, setting.spread_bound, result_file)
+    timeout = limits.timing_limit(winner, setting.warmup_steps + most_steps)
     result = launch_probe(accelerate_file, request, work_dir / "verify" / "request.json", timeout)
     if result["status"] != "ok":
         raise UserError(f"the --verify run of {winning.name} failed ({result['reason']}): see "

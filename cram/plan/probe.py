@@ -32,7 +32,7 @@ from cram.data import DataOptions, is_prepared, prepare, prepared_path
 from cram.data.collator import MaskedLMCollator
 from cram.data.sampling import stream_loader
 from cram.plan.models import build_model, flops_per_token, is_causal, model_config
-from cram.plan.search import Probe, divisors, largest_micro_batch
+from cram.plan.search import Probe, divisors, judge_probe, largest_micro_batch
 from cram.plan.space import Candidate
 from cram.plan.timing import MemoryGauge, SettlingClock, TimingClock, synchronize
 from cram.train.accelerator import build_accelerator, local_main_first
@@ -172,6 +172,7 @@ def probe_once(run: CandidateRun, gauge: MemoryGauge, micro_batch: int, limit_by
     out_of_memory = False
     try:
         run.steps(micro_batch, 1, TimingClock(1, run.accelerator.device))
+        gauge.note_outside_allocator()  # after a step: the communicators exist
     except Exception as caught:  # noqa: BLE001 - only out-of-memory is a "does not fit"; others go up to main
         if run.accelerator.num_processes > 1:
             # The other processes may be waiting in a collective this one will never join (or have left one this
@@ -182,12 +183,10 @@ def probe_once(run: CandidateRun, gauge: MemoryGauge, micro_batch: int, limit_by
         out_of_memory = True  # not the exception itself: its traceback would keep the probe's tensors alive
     finally:
         run.release()
-    peak, failed = agree_max(run.accelerator, [gauge.peak(), float(out_of_memory)])
+    peak, outside, failed = agree_max(run.accelerator, [gauge.peak(), gauge.outside_allocator, float(out_of_memory)])
     if failed:
         return Probe(micro_batch, False, None, "out of memory on the device")
-    if peak > limit_bytes:
-        return Probe(micro_batch, False, peak, f"{peak / 2**30:.2f} GiB > {limit_bytes / 2**30:.2f} GiB limit")
-    return Probe(micro_batch, True, peak)
+    return judge_probe(micro_batch, peak, limit_bytes, gauge.device_bytes(), outside)
 
 
 def time_steps(run: CandidateRun, gauge: MemoryGauge, micro_batch: int, warmup: int, timed: int,
@@ -202,7 +201,9 @@ def time_steps(run: CandidateRun, gauge: MemoryGauge, micro_batch: int, warmup: 
     clock = SettlingClock(warmup, timed, max_timed or timed, spread_bound, run.accelerator.device)
     try:
         run.steps(micro_batch, accumulation, clock)
-        (peak,) = agree_max(run.accelerator, [gauge.peak()])  # of the steps: the save's own memory is not counted
+        gauge.note_outside_allocator()
+        # Of the steps: the save's own memory is not counted.
+        peak, outside = agree_max(run.accelerator, [gauge.peak(), gauge.outside_allocator])
         save_seconds = time_one_save(run, len(clock.marks) - 1)
     finally:
         run.release()
@@ -220,6 +221,7 @@ def time_steps(run: CandidateRun, gauge: MemoryGauge, micro_batch: int, warmup: 
         "mfu": tokens_per_second * per_token / (peak_device_flops * run.accelerator.num_processes)
         if peak_device_flops else None,
         "peak_memory_bytes": peak,
+        "outside_allocator_bytes": outside,
         "save_seconds": save_seconds,
     }
 

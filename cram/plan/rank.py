@@ -17,8 +17,9 @@ def add_estimates(rows: list[dict], steps: int | None, budget_hours: float | Non
                   ramp_end: float | None = None) -> list[dict]:
     """Days and cost of the full run for every feasible row, with the FLOP-based estimate; ranked by `rank`.
 
-    A step-based recipe (Pythia) takes its steps plus its saves (the `checkpoint_steps` and one every
-    `checkpoint_every_seconds`), each the probe's measured save time. A wall-clock recipe (crammed BERT) takes
+    A step-based recipe (Pythia) takes its steps plus its saves: a revision of the model at each of the
+    `checkpoint_steps`, at its share of the probe's measured save time (`revision_share`), and a training state
+    every `checkpoint_every_seconds`, at the measured save time. A wall-clock recipe (crammed BERT) takes
     its budget, of which the saves take their share; the steps the rest buys follow the batch ramp up to
     `ramp_end` (each step's time in proportion to its micro-batches) when `ramp_end` is given."""
     for row in rows:
@@ -28,9 +29,14 @@ def add_estimates(rows: list[dict], steps: int | None, budget_hours: float | Non
         save_seconds = row["save_seconds"]
         if steps is not None:
             row["saves"] = saves_in_step_run(steps, step_seconds, checkpoint_steps, checkpoint_every_seconds)
+            row["revisions"] = len({step for step in checkpoint_steps if 0 <= step <= steps})
+            row["revision_seconds"] = save_seconds * revision_share(row)
+            writing_seconds = ((row["saves"] - row["revisions"]) * save_seconds
+                               + row["revisions"] * row["revision_seconds"])
             training_seconds = steps * step_seconds
-            row["days"] = (training_seconds + row["saves"] * save_seconds) / SECONDS_PER_DAY
+            row["days"] = (training_seconds + writing_seconds) / SECONDS_PER_DAY
             row["step_seconds_with_saves"] = row["days"] * SECONDS_PER_DAY / steps
+            row["save_days"] = writing_seconds / SECONDS_PER_DAY
         else:  # a wall-clock recipe: the budget is the time; the steps are what it buys
             budget_seconds = budget_hours * 3600
             row["days"] = budget_hours / 24
@@ -45,7 +51,7 @@ def add_estimates(rows: list[dict], steps: int | None, budget_hours: float | Non
             # The budget's seconds per final batch's worth of tokens trained.
             row["step_seconds_with_saves"] = (step_seconds * budget_seconds / training_seconds if training_seconds > 0
                                               else float("inf"))
-        row["save_days"] = row["saves"] * save_seconds / SECONDS_PER_DAY
+            row["save_days"] = row["saves"] * save_seconds / SECONDS_PER_DAY
         # Every micro-batch of the run, ramped or not, is a share of the final step's tokens.
         total_tokens = training_seconds / step_seconds * tokens_per_step
         row["cost_usd"] = amortised_cost(hardware_price, row["days"])
@@ -56,6 +62,16 @@ def add_estimates(rows: list[dict], steps: int | None, budget_hours: float | Non
             row["analytic_days"] = analytic
             row["measured_over_analytic"] = training_seconds / SECONDS_PER_DAY / analytic
     return rank(rows)
+
+
+def revision_share(row: dict) -> float:
+    """A revision's share of a training-state save's bytes, so of its time: a revision is the model alone, as
+    `export_model` gathers it (16-bit from a mixed-precision DeepSpeed engine, fp32 from DDP's and FSDP's fp32
+    weights); a training state adds Adam's fp32 state (master weights and two moments under DeepSpeed, the
+    moments alone otherwise)."""
+    deepspeed = row["sharding"].startswith("zero")
+    weight = 2.0 if deepspeed and row.get("mixed_precision") in ("bf16", "fp16") else 4.0
+    return weight / (weight + (12.0 if deepspeed else 8.0))
 
 
 def interval(row: dict) -> tuple[float, float]:

@@ -35,6 +35,13 @@ def failure_note(row: dict) -> str:
     return f"{what}: {row['reason']}{cached}"
 
 
+def saves_note(row: dict) -> str:
+    """The run's saves: training states × one save's seconds, and the revisions × theirs."""
+    revisions = row.get("revisions", 0)
+    note = f"{row['saves'] - revisions} × {row['save_seconds']:.2f}"
+    return note + (f" + {revisions} revisions × {row['revision_seconds']:.2f}" if revisions else "")
+
+
 def markdown_table(rows: list[dict]) -> str:
     lines = [
         "| # | candidate | micro-batch × accum. | step time (s) | tokens/s | MFU | peak memory (GiB) "
@@ -50,7 +57,7 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {rank} | {row['candidate']} | {row['micro_batch']} × {row['accumulation']} "
             f"| {time['median']:.3f} ± {time['spread']:.1%} | {row['tokens_per_second']:,.0f} "
             f"| {_number(row.get('mfu'), '.1%')} | {row['peak_memory_bytes'] / 2**30:.2f} "
-            f"| {row['saves']} × {row['save_seconds']:.2f} | {row['days']:.2f} "
+            f"| {saves_note(row)} | {row['days']:.2f} "
             f"| {_number(row.get('cost_usd'), ',.0f')} "
             f"| {_number(row.get('cloud_cost_usd'), ',.0f')} "
             f"| {_number(row.get('analytic_days'), '.2f')} | {_number(row.get('measured_over_analytic'), '.2f')} "

@@ -16,6 +16,24 @@ class Probe:
     reason: str | None = None  # why it did not fit
 
 
+def judge_probe(micro_batch: int, peak_bytes: float, limit_bytes: float, device_bytes: float | None = None,
+                outside_allocator_bytes: float = 0.0) -> Probe:
+    """Whether a probe that peaked at `peak_bytes` (the allocator's reserved memory) fits: under `limit_bytes`, and
+    on a GPU of `device_bytes` under what the memory outside PyTorch's allocator leaves (the CUDA context, NCCL's
+    communicator buffers, any other process's memory on the device), which a step that survived a few probes may
+    still need to grow into."""
+    usable = limit_bytes
+    headroom = ""
+    if device_bytes is not None:
+        usable = min(limit_bytes, device_bytes - outside_allocator_bytes)
+        headroom = (f" ({device_bytes / 2**30:.2f} GiB less {outside_allocator_bytes / 2**30:.2f} GiB outside "
+                    "PyTorch's allocator: CUDA context, communicator buffers)") if usable < limit_bytes else ""
+    if peak_bytes > usable:
+        return Probe(micro_batch, False, peak_bytes,
+                     f"{peak_bytes / 2**30:.2f} GiB > {usable / 2**30:.2f} GiB limit{headroom}")
+    return Probe(micro_batch, True, peak_bytes)
+
+
 @dataclass
 class SearchResult:
     largest: int  # 0: not even micro-batch 1 fits

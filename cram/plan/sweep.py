@@ -17,14 +17,14 @@ from cram.errors import UserError
 from cram.plan.emit import write_atomically, write_pair
 from cram.plan.launch import search_and_time
 from cram.plan.peak_memory import Shape, prune_reason, seed_micro_batch
-from cram.plan.rank import MOST_LEADERS
 from cram.plan.report import failure_note, source_note
-from cram.plan.search import divisors
 from cram.plan.space import Candidate
+from cram.plan.sweep_length import LaunchLimits, sweep_length
 
 # What a probe's result holds, by version: a cached result of an earlier version misses (2: the save time; 3:
-# failures that are not out of memory, the time of the measurement).
-PROBE_RESULT_VERSION = 3
+# failures that are not out of memory, the time of the measurement; 4: a GPU's memory outside the allocator, which
+# a probe leaves free).
+PROBE_RESULT_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -87,50 +87,13 @@ def ruled_out_reason(candidate: Candidate, setting: Setting) -> str | None:
     return None
 
 
-def probe_steps_at_most(setting: Setting) -> int:
-    """Optimizer steps one candidate's launch takes at most: the search's probes (one step each: doubling or
-    halving from the seed, then bisecting, over the divisors of the per-process batch), the warm-up, the timed
-    steps and the step time of one save."""
-    sizes = divisors(setting.global_batch_size // setting.num_processes)
-    probes = 2 * len(sizes).bit_length()
-    return probes + setting.warmup_steps + (setting.max_timed_steps or setting.timed_steps) + 1
-
-
-def sweep_length(to_launch: int, cached: int, ruled_out: int, setting: Setting, predicted_step_seconds: float | None,
-                 paired_rounds: int, verify_steps: int) -> str:
-    """The line said before the first launch: at most how many launches and optimizer steps the sweep, the
-    side-by-side timing of its leaders (`paired_rounds`) and the verification (`verify_steps`, 0: none) take, and
-    at the predicted step time how long."""
-    leaders = min(MOST_LEADERS, to_launch + cached) if to_launch + cached >= 2 else 0
-    later_launches = leaders * paired_rounds + (verify_steps > 0)
-    later_steps = (leaders * paired_rounds * (setting.warmup_steps + setting.timed_steps)
-                   + (setting.warmup_steps + max(verify_steps, setting.max_timed_steps or 0) if verify_steps else 0))
-    steps = to_launch * probe_steps_at_most(setting) + later_steps
-    line = (f"sweep: {to_launch} candidate(s) to launch ({cached} cached, {ruled_out} ruled out by the rules or the "
-            f"memory model), then {later_launches} launch(es) to time the leaders side by side and verify the pick: "
-            f"at most {to_launch + later_launches} launches and {steps} optimizer steps")
-    if predicted_step_seconds is None:
-        line += " (no step time can be predicted for this device)"
-    else:
-        line += (f", about {format_duration(steps * predicted_step_seconds)} at the predicted "
-                 f"{predicted_step_seconds:.3g} s per step")
-    return line + ", plus each launch's start-up; --candidates NAME,NAME measures fewer"
-
-
-def format_duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 2 * 3600:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
-
-
 def sweep(candidates: list[Candidate], setting: Setting, shape: Shape, limit_bytes: float, work_dir: Path,
-          layer_class: str, timeout: float, say=print, host_limit_bytes: float | None = None,
-          retry_failed: bool = False, predicted_step_seconds: float | None = None, paired_rounds: int = 0,
-          verify_steps: int = 0) -> list[dict]:
+          layer_class: str, limits: LaunchLimits, say=print, host_limit_bytes: float | None = None,
+          retry_failed: bool = False, paired_rounds: int = 0, verify_steps: int = 0,
+          dry_run: bool = False) -> list[dict]:
     """One row per candidate: measured, from the cache, or ruled out by rule or by the memory model. Before the
-    first launch it says how long the sweep will take (`sweep_length`)."""
+    first launch it says how long the sweep will take and how long each launch may run (`sweep_length`); with
+    `dry_run` it stops there, the rows it would measure left without a status."""
     cache = work_dir / "cache" / setting.key()
     rows: list[dict] = []
     to_measure: list[tuple[Candidate, dict]] = []
@@ -147,11 +110,13 @@ def sweep(candidates: list[Candidate], setting: Setting, shape: Shape, limit_byt
             to_measure.append((candidate, row))
         rows.append(row)
     ruled_out = sum(row.get("source") in ("rules", "memory model") for row in rows)
-    say(sweep_length(len(to_measure), len(rows) - ruled_out - len(to_measure), ruled_out, setting,
-                     predicted_step_seconds, paired_rounds, verify_steps))
+    say(sweep_length([candidate for candidate, _ in to_measure], len(rows) - ruled_out - len(to_measure), ruled_out,
+                     setting, limits, paired_rounds, verify_steps))
     for row in rows:
         if row.get("source") == "cache":
             say(f"    {row['candidate']}: {describe_row(row)}")
+    if dry_run:
+        return rows
     offload_failure: str | None = None
     offload_ready = False
     for index, (candidate, row) in enumerate(to_measure, 1):
@@ -177,7 +142,8 @@ def sweep(candidates: list[Candidate], setting: Setting, shape: Shape, limit_byt
             setting, candidate, cached, mode="search", memory_limit_bytes=setting.memory_limit_bytes,
             seed_micro_batch=seed_micro_batch(candidate, shape, limit_bytes), timed_steps=setting.timed_steps,
             max_timed_steps=setting.max_timed_steps, spread_bound=setting.spread_bound)
-        result = search_and_time(request, accelerate_file, cache / f"{candidate.name}.request.json", timeout)
+        result = search_and_time(request, accelerate_file, cache / f"{candidate.name}.request.json",
+                                 limits.search_limit(candidate, setting))
         result["measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         write_atomically(cached, json.dumps(result, indent=2) + "\n")
         row.update(result, source="measured")
@@ -214,8 +180,10 @@ def describe_row(row: dict) -> str:
     if row["status"] != "ok":
         return failure_note(row)
     time = row["step_time"]
+    outside = row.get("outside_allocator_bytes") or 0.0
     return (f"micro-batch {row['micro_batch']} × {row['accumulation']} accumulation, "
-            f"{time['median']:.3f} s/step ± {time['spread']:.1%}, one save {row['save_seconds']:.2f} s "
-            f"({source_note(row)})")
+            f"{time['median']:.3f} s/step ± {time['spread']:.1%}, one save {row['save_seconds']:.2f} s"
+            + (f", {outside / 2**30:.2f} GiB of the device outside PyTorch's allocator left free" if outside else "")
+            + f" ({source_note(row)})")
 
 

@@ -108,6 +108,23 @@ class MemoryGauge:
     def __init__(self, device: torch.device):
         self.device = device
         self.baseline = 0 if device.type == "cuda" else _resident_bytes("VmRSS")
+        self.outside_allocator = 0.0
+
+    def device_bytes(self) -> float | None:
+        """The GPU's memory; None on the CPU, where the limit alone bounds a probe."""
+        if self.device.type != "cuda":
+            return None
+        return float(torch.cuda.get_device_properties(self.device).total_memory)
+
+    def note_outside_allocator(self) -> float:
+        """The most device memory seen held outside PyTorch's allocator (the CUDA context, NCCL's buffers, other
+        processes' memory): the GPU's used memory less what the allocator reserved. Noted after a step, once the
+        communicators exist; 0 on the CPU."""
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            outside = total - free - torch.cuda.memory_reserved(self.device)
+            self.outside_allocator = max(self.outside_allocator, float(outside))
+        return self.outside_allocator
 
     def reset(self) -> None:
         gc.collect()
