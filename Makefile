@@ -49,9 +49,10 @@ lint: setup
 bench: setup
 	$(BIN)/python -m cram.bench.train_step
 
-# The check for a new GPU machine: versions, GPUs, auto choices, measured steps; runs/gpu-report/gpu_report.{md,json}.
+# The check for a new GPU machine: versions, GPUs, auto choices, training steps side by side with the ratios;
+# runs/gpu-report/gpu_report.{md,json}. ORIGINAL=PATH: a checkout of the original cramming code to time beside them.
 gpu-report: setup
-	$(BIN)/python -m cram.bench.gpu_report --output-dir runs/gpu-report
+	$(BIN)/python -m cram.bench.gpu_report --output-dir runs/gpu-report $(if $(ORIGINAL),--original "$(ORIGINAL)")
 
 data: setup
 	$(BIN)/python recipes/prepare_data.py embedded --output-dir runs/data

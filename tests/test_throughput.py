@@ -4,10 +4,17 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
+from transformers import BertConfig, BertForMaskedLM
 
 from cram.data.collator import MaskedLMCollator
 from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
-from cram.train.throughput import crammed_bert_flops_per_token, mfu, peak_flops, peak_flops_for_name
+from cram.train.throughput import (
+    bert_flops_per_token,
+    crammed_bert_flops_per_token,
+    mfu,
+    peak_flops,
+    peak_flops_for_name,
+)
 
 
 def test_flops_per_token_follow_the_models_own_matmul_weights():
@@ -52,4 +59,18 @@ def test_flops_per_token_equal_torchs_count_of_a_real_training_step(preset):
         model(**batch).loss.backward()
     formula = crammed_bert_flops_per_token(config.num_hidden_layers, config.hidden_size, config.intermediate_size,
                                            config.vocab_size, 128, config.sparse_prediction)
+    assert formula == pytest.approx(counter.get_total_flops() / input_ids.numel(), rel=1e-9)
+
+
+def test_bert_for_masked_lm_flops_per_token_equal_torchs_count_of_its_training_step():
+    # Hugging Face's BERT decodes every position over the full vocabulary after a transform layer, and its
+    # feed-forward is not gated: a count of its own, as `make gpu-report` gives its row's MFU.
+    config = BertConfig(vocab_size=2048, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=512, max_position_embeddings=64, attn_implementation="sdpa")
+    model = BertForMaskedLM(config)
+    input_ids = torch.randint(5, 2048, (2, 64), generator=torch.Generator().manual_seed(0))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+    formula = bert_flops_per_token(config.num_hidden_layers, config.hidden_size, config.intermediate_size,
+                                   config.vocab_size, 64)
     assert formula == pytest.approx(counter.get_total_flops() / input_ids.numel(), rel=1e-9)

@@ -74,6 +74,16 @@ def crammed_bert_flops_per_token(
     return 6.0 * (num_layers * (layer_weights + attention) + decoder)
 
 
+def bert_flops_per_token(num_layers: int, hidden: int, intermediate: int, vocab_size: int, seq_len: int) -> float:
+    """Training FLOPs per input token of Hugging Face's `BertForMaskedLM`: the layers' matmuls (a plain, not gated,
+    feed-forward), attention scores, and its head on every position: the transform dense layer and the decoder over
+    the full vocabulary."""
+    layer_weights = 4 * hidden * hidden + 2 * hidden * intermediate
+    attention = 2 * seq_len * hidden
+    head = hidden * hidden + hidden * vocab_size
+    return 6.0 * (num_layers * (layer_weights + attention) + head)
+
+
 def gpt_neox_flops_per_token(num_layers: int, hidden: int, intermediate: int, vocab_size: int, seq_len: int) -> float:
     """Training FLOPs per token of a GPT-NeoX (Pythia) model: 6·N over the matmul weights N (attention, MLP and
     the untied output projection; the input embedding is a lookup) plus the attention term 6·2·layers·seq·hidden
