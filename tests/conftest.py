@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,12 +44,26 @@ def cpu_bf16_units(request, monkeypatch) -> bool:
 
 
 REPO = Path(__file__).resolve().parents[1]
+INDUCTOR_CACHE_OWNER = "CRAM_TEST_INDUCTOR_CACHE_OWNER"  # the pid of the pytest process that made the session's cache
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """pytest-timeout's `timeout` (pyproject.toml, or --timeout) must leave room for each process's own guard."""
+    """pytest-timeout's `timeout` (pyproject.toml, or --timeout) must leave room for each process's own guard.
+
+    One inductor cache for the whole session, made by the first pytest process (the workers inherit it): a graph
+    that one test compiled, another test or process of the same shapes loads instead of compiling again, and the
+    session starts from an empty cache, never from what an earlier session left. A test that needs to know a
+    process ran compiled code reads that process's own trace (launching.generated_code_per_process)."""
     given = config.getoption("timeout", None)
     launching.check_hang_guard(float(config.getini("timeout") or 0) if given is None else float(given))
+    if not hasattr(config, "workerinput"):
+        os.environ[INDUCTOR_CACHE_OWNER] = str(os.getpid())
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="cram-test-inductor-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if os.environ.get(INDUCTOR_CACHE_OWNER) == str(os.getpid()):
+        shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -145,7 +160,7 @@ def single_process_reference(tmp_path_factory, distributed_env) -> Path:
     """The 2-process runs' reference: one process, 16 sequences per micro-batch, the same global batch."""
     output_dir = tmp_path_factory.mktemp("single")
     command = [sys.executable, REPO / "recipes" / "cram.py", *launching.DISTRIBUTED_RUN, "--micro-batch-size", "16",
-               "--output-dir", output_dir]
-    completed = launching.run(command, env=distributed_env)
+               "--output-dir", output_dir / "run"]
+    completed = launching.run(command, env={**distributed_env, "TORCH_TRACE": str(output_dir / "compile-trace")})
     assert completed.returncode == 0, completed.stderr[-3000:]
-    return output_dir
+    return output_dir / "run"

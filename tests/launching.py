@@ -217,14 +217,14 @@ class TwoProcessLaunch:
 
 
 # Each launch serves several checks (tests/test_distributed.py): equality with one process, and the launch path's
-# effects: a collective timeout outlasted, inductor's code run under DDP and ZeRO-2.
+# effects: a collective timeout outlasted, inductor's code run under DDP and ZeRO-2. Eager 2-process runs are the
+# ZeRO-3 launch there (equality with one process at the eager tolerance) and the torchrun runs of other modules.
 # ZeRO-3 with offload has no launch here: tests/test_distributed.py checks it on the run it stops by SIGTERM and
 # resumes. Nor has ZeRO-1: the Pythia recipe's ZeRO-1 launch (tests/test_pythia_recipe.py) checks it against one
 # process on the same engine, and DeepSpeed runs stages 1 and 2 through one optimizer (stage_1_and_2.py).
-SLOWED_PREPARATION = "ddp-slowed-preparation"
+SLOWED_PREPARATION = "ddp-compiled"
 TWO_PROCESS_LAUNCHES = {
-    SLOWED_PREPARATION: TwoProcessLaunch("cpu-ddp", slowed_preparation=True),
-    "ddp-compiled": TwoProcessLaunch("cpu-ddp", compiled=True),
+    SLOWED_PREPARATION: TwoProcessLaunch("cpu-ddp", compiled=True, slowed_preparation=True),
     "zero2-compiled": TwoProcessLaunch("cpu-zero2", compiled=True),
 }
 
@@ -233,16 +233,16 @@ TWO_PROCESS_LAUNCHES = {
 class LaunchedRun:
     output_dir: Path
     seconds: float  # wall time of the launch
-    inductor_cache: Path  # TORCHINDUCTOR_CACHE_DIR: inductor writes the code it generates there
+    compile_trace: Path  # TORCH_TRACE: each process logs there the code inductor generated for it
     group_timeouts: Path  # rank-N.json: the process group's timeout (slowed-preparation launches only)
 
 
 def launch_two_processes(name: str, folder: Path, env: dict[str, str]) -> LaunchedRun:
     """Launch TWO_PROCESS_LAUNCHES[name] into `folder`, with the data cache `env` names."""
     launch = TWO_PROCESS_LAUNCHES[name]
-    inductor_cache, group_timeouts = folder / "inductor", folder / "group-timeouts"
+    compile_trace, group_timeouts = folder / "compile-trace", folder / "group-timeouts"
     group_timeouts.mkdir()
-    env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache)}
+    env = {**env, "TORCH_TRACE": str(compile_trace)}
     script, options = REPO / "recipes" / "cram.py", ["--compile", "true" if launch.compiled else "false"]
     if launch.slowed_preparation:
         env.update(CRAM_TEST_PREPARATION_SECONDS=str(PREPARATION_SECONDS),
@@ -254,4 +254,11 @@ def launch_two_processes(name: str, folder: Path, env: dict[str, str]) -> Launch
     started_at = time.monotonic()
     completed = run(command, cwd=REPO, env=env)
     assert completed.returncode == 0, f"{name}: {completed.stderr[-OUTPUT_TAIL:]}"
-    return LaunchedRun(folder / "run", time.monotonic() - started_at, inductor_cache, group_timeouts)
+    return LaunchedRun(folder / "run", time.monotonic() - started_at, compile_trace, group_timeouts)
+
+
+def generated_code_per_process(compile_trace: Path) -> list[int]:
+    """For each process that logged to `compile_trace` (torch's structured trace, TORCH_TRACE), the number of graphs
+    it ran through code inductor generated: compiled there, or loaded from the inductor cache the test session
+    shares (conftest.py), which a look at that cache could not tell from another process's work."""
+    return sorted(log.read_text().count('"inductor_output_code"') for log in compile_trace.glob("*.log"))

@@ -14,7 +14,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from launching import ACCELERATE, load_recipe, run
+from launching import ACCELERATE, generated_code_per_process, load_recipe, run
 from safetensors.torch import load_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
@@ -374,14 +374,13 @@ def test_a_compiled_run_saves_a_plain_checkpoint(tmp_path, recipe_env):
     output_dir = tmp_path / "run"
     command = [sys.executable, RECIPE, "--preset", "tiny", "--max-steps", "1", "--micro-batch-size", "8",
                "--target-batch-size", "16", "--compile", "true", "--output-dir", output_dir]
-    # Inductor writes the code it generates to its cache: the trace that the step ran through a compiled model.
-    inductor_cache = tmp_path / "inductor"
-    completed = run(command, env={**recipe_env, "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache)})
+    compile_trace = tmp_path / "compile-trace"
+    completed = run(command, env={**recipe_env, "TORCH_TRACE": str(compile_trace)})
     assert completed.returncode == 0, completed.stderr[-3000:]
     summary = json.loads((output_dir / "summary.json").read_text())
     assert summary["optimizer_steps"] == 1
-    generated = [path for path in inductor_cache.rglob("*.py") if "def call(" in path.read_text()]
-    assert generated, "no code was compiled"
+    # The step ran its forward and backward through inductor's code.
+    assert generated_code_per_process(compile_trace) == [2]
     # The saved names are the model's own, so every weight loads (a compiled model's `_orig_mod.` names would leave
     # from_pretrained initialising all of them afresh, silently).
     saved = load_file(output_dir / "final" / "model.safetensors")

@@ -29,6 +29,7 @@ from launching import (
     COLLECTIVE_TIMEOUT_MINUTES,
     DISTRIBUTED_RUN,
     PREPARATION_SECONDS,
+    SLOWED_PREPARATION,
     TWO_PROCESS_LAUNCHES,
     StartedProcess,
     accelerate_launch,
@@ -125,8 +126,7 @@ def zero3_rank0_share(vocab_size: int) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name, distributed_type, parameters_held, optimizer_state_held",
-    [("ddp-slowed-preparation", "MULTI_CPU", 1.0, 1.0), ("ddp-compiled", "MULTI_CPU", 1.0, 1.0),
-     ("zero2-compiled", "DEEPSPEED", 1.0, 0.5)],
+    [("ddp-compiled", "MULTI_CPU", 1.0, 1.0), ("zero2-compiled", "DEEPSPEED", 1.0, 0.5)],
 )
 def test_two_processes_match_one_process_of_the_same_global_batch(
     two_process_run, single_process_reference, name, distributed_type, parameters_held, optimizer_state_held
@@ -283,7 +283,7 @@ def test_zero3_at_the_default_precision_trains_and_saves_a_plain_model(tmp_path,
 
 @pytest.mark.slow
 def test_data_preparation_longer_than_the_collective_timeout_does_not_end_the_run(two_process_run):
-    run = two_process_run("ddp-slowed-preparation")
+    run = two_process_run(SLOWED_PREPARATION)
     assert run.seconds > PREPARATION_SECONDS > COLLECTIVE_TIMEOUT_MINUTES * 60
     # The process group of each rank waits COLLECTIVE_TIMEOUT_MINUTES, not the 30-minute default that would also
     # outlast the slowed preparation.
@@ -300,8 +300,9 @@ def test_a_compiled_two_process_run_trains_through_inductors_code_and_saves_a_pl
     run = two_process_run(name)
     resolved = json.loads((run.output_dir / "final" / "cram_options.json").read_text())["resolved"]
     assert resolved["compile"] is True and resolved["num_processes"] == 2
-    # Each process ran its forward and backward through inductor's code.
-    assert generated_code_per_process(run.compile_trace) == [2, 2]
+    # Each process ran its forward and backward through inductor's code (under DDP, one graph per gradient bucket).
+    generated = generated_code_per_process(run.compile_trace)
+    assert len(generated) == 2 and min(generated) >= 2, generated
     # The saved names are the model's own, so every weight loads (a compiled model's `_orig_mod.` names would leave
     # from_pretrained initialising all of them afresh, silently).
     saved = load_file(run.output_dir / "final" / "model.safetensors")
@@ -312,7 +313,6 @@ def test_a_compiled_two_process_run_trains_through_inductors_code_and_saves_a_pl
 
 
 @pytest.mark.slow
-def test_an_eager_run_generates_no_code(two_process_run):
-    # The contrast that gives the check above its meaning: the same trace shows no generated code.
-    run = two_process_run("ddp-slowed-preparation")
-    assert not any(generated_code_per_process(run.compile_trace))
+def test_an_eager_run_generates_no_code(single_process_reference):
+    # The contrast that gives the check above its meaning: the same trace of an eager run shows no generated code.
+    assert not any(generated_code_per_process(single_process_reference.parent / "compile-trace"))
