@@ -40,6 +40,7 @@ from cram.models.pythia_model import (
     PYTHIA_SIZES,
     build_pythia_model,
     check_size,
+    embedding_parameters,
     gpt_neox_largest_module_parameters,
     gpt_neox_parameters,
     pythia_config,
@@ -195,8 +196,10 @@ def main() -> None:
             print(f"precision: {departure} (mixed precision {accelerator.mixed_precision})")
         if replaced:
             print(f"fp16 loss scaling as released, replacing the DeepSpeed JSON's {', '.join(replaced)}")
-    check_model_fits(gpt_neox_parameters(config), accelerator, implementation.device_memory_gib, training.size,
-                     largest_layer_parameters=gpt_neox_largest_module_parameters(config))
+    parameters, root = gpt_neox_parameters(config), embedding_parameters(config) + 2 * config.hidden_size
+    check_model_fits(parameters, accelerator, implementation.device_memory_gib, training.size,
+                     largest_layer_parameters=gpt_neox_largest_module_parameters(config),
+                     block_parameters=(parameters - root) // config.num_hidden_layers, root_parameters=root)
     set_seed(training.seed)
     enable_tf32()
 

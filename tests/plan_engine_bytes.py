@@ -5,7 +5,9 @@ prediction (rank 0 writes OUTPUT.json).
     accelerate launch --config_file accel_configs/cpu-zero1.yaml tests/plan_engine_bytes.py OUTPUT.json
 
 Every tensor reachable from the engine, its optimizer and the model's parameters is counted once per storage, after
-one optimizer step and a second backward pass (weights, gradients, master copies, moments and buffers all live)."""
+one optimizer step and a second backward pass (weights, gradients, master copies, moments and buffers all live);
+and the peak from the reduction at the end of that backward pass to the end of the optimizer step: what was held
+when it began plus the most that every allocation and free since (torch's profiler records each) added at once."""
 
 from __future__ import annotations
 
@@ -24,10 +26,11 @@ from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
 from cram.plan.emit import write_pair
 from cram.plan.models import build_model, layer_class_name, model_config
-from cram.plan.peak_memory import Shape, state_parts
+from cram.plan.peak_memory import Shape, peak_parts, state_parts
 from cram.plan.space import Candidate
 from cram.train.deepspeed_setup import configure_deepspeed, prepare_deepspeed_on_the_cpu
 from cram.train.optim import build_adamw
+from cram.train.state_memory import peak_bytes
 
 MODEL = "pythia-14m"
 VOCAB = 8192  # a small vocabulary: the embeddings stay one layer among others
@@ -70,6 +73,18 @@ def storages(root: object) -> dict[int, tuple[int, torch.dtype, str]]:
     return found
 
 
+def largest_rise(profiler: torch.profiler.profile) -> int:
+    """The most bytes allocated at once over what was allocated when `profiler` started: every allocation and
+    free the profiler recorded, in the order they happened."""
+    events = sorted((event for event in profiler.profiler.kineto_results.events() if event.name() == "[memory]"),
+                    key=lambda event: event.start_ns())
+    live = highest = 0
+    for event in events:
+        live += event.nbytes()
+        highest = max(highest, live)
+    return highest
+
+
 def measure(candidate: Candidate, precision: str, folder: Path) -> dict:
     config = model_config(MODEL, SEQ_LEN)
     config.vocab_size = VOCAB
@@ -91,18 +106,24 @@ def measure(candidate: Candidate, precision: str, folder: Path) -> dict:
     accelerator.backward(engine(input_ids=tokens, labels=tokens).loss)  # the engine steps inside, at the boundary
     # The second step's state at its fullest: when backward has made every gradient, before the reduction at its end
     # frees what this rank does not own, and again after it (where DeepSpeed reduces within backward).
+    # The reduction window, from there to the end of the optimizer step, is profiled: its transient buffers (buckets
+    # flattened and cast for the all-reduce, fp32 copies of gradient partitions) are reachable from no object.
     snapshots = []
     epilogue = engine._backward_epilogue
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
 
     def counted_epilogue(epilogue=epilogue, engine=engine) -> None:
         snapshots.append(storages(engine))
+        profiler.start()
         epilogue()
 
     engine._backward_epilogue = counted_epilogue
     engine.backward(engine(input_ids=tokens, labels=tokens).loss)
     snapshots.append(storages(engine))
     engine.step()
+    profiler.stop()
     held = max(snapshots, key=lambda found: sum(nbytes for nbytes, _, _ in found.values()))
+    window_peak = sum(nbytes for nbytes, _, _ in snapshots[0].values()) + largest_rise(profiler)
     parts = state_parts(candidate, shape)
     predicted = {"total": sum(part.bytes for part in parts),
                  "16-bit": sum(part.bytes for part in parts if part.element_bytes == 2),
@@ -110,6 +131,9 @@ def measure(candidate: Candidate, precision: str, folder: Path) -> dict:
     measured = {"total": sum(nbytes for nbytes, _, _ in held.values()),
                 "16-bit": sum(nbytes for nbytes, dtype, _ in held.values() if dtype.itemsize == 2),
                 "32-bit": sum(nbytes for nbytes, dtype, _ in held.values() if dtype.itemsize == 4)}
+    measured["peak"] = max(window_peak, measured["total"])
+    # On the CPU device and host are one memory: the peak of both together.
+    predicted["peak"] = peak_bytes([dataclasses.replace(part, where="device") for part in peak_parts(candidate, shape)])
     row = {"candidate": candidate.name, "precision": precision, "optimizer": type(engine.optimizer).__name__,
            "zero3_init_flag": launch["zero3_init_flag"], "parameters": shape.parameters, "predicted": predicted,
            "measured": measured, "parts": [dataclasses.asdict(part) for part in parts]}

@@ -1,7 +1,8 @@
-"""The memory model against the bytes DeepSpeed's engines really hold: every ZeRO candidate (stages 1, 2, 3, with
-and without offload), built from the planner's emitted launch pair on 2 CPU ranks, in bf16 and in fp32, in one
-launch (tests/plan_engine_bytes.py). On the CPU device and host are one memory, so a row compares all a rank holds
-with all the model puts on one process, device and host parts together."""
+"""The memory model against the bytes DeepSpeed's engines really hold, and at their peak in the reduction at the end
+of backward and in the optimizer step: every ZeRO candidate (stages 1, 2, 3, with and without offload), built from
+the planner's emitted launch pair on 2 CPU ranks, in bf16 and in fp32, in one launch (tests/plan_engine_bytes.py).
+On the CPU device and host are one memory, so a row compares all a rank holds with all the model puts on one
+process, device and host parts together."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ from launching import accelerate_launch, run
 
 REPO = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.10
+# Rows whose peak in the reduction window the memory model under-counts, measured so: ZeRO-1 with offload in bf16
+# allocates fp32 copies of gradients beside the partition it builds (about 4 bytes a parameter of this model more),
+# which no read of DeepSpeed's source has placed yet.
+UNDER_COUNTED_PEAKS = {("zero1-offload", "bf16")}
 pytestmark = pytest.mark.launch  # every test reads the one 2-rank launch
 
 
@@ -28,12 +33,14 @@ def rows(tmp_path_factory) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| candidate | precision | DeepSpeed optimizer | predicted MiB | measured MiB | off by |",
-             "|---|---|---|---:|---:|---:|"]
+    lines = ["| candidate | precision | DeepSpeed optimizer | held: predicted MiB | measured MiB | off by "
+             "| peak: predicted MiB | measured MiB | off by |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
-        predicted, measured = row["predicted"]["total"], row["measured"]["total"]
-        lines.append(f"| {row['candidate']} | {row['precision']} | {row['optimizer']} | {predicted / 2**20:.2f} | "
-                     f"{measured / 2**20:.2f} | {measured / predicted - 1:+.1%} |")
+        cells = []
+        for key in ("total", "peak"):
+            predicted, measured = row["predicted"][key], row["measured"][key]
+            cells.append(f"{predicted / 2**20:.2f} | {measured / 2**20:.2f} | {measured / predicted - 1:+.1%}")
+        lines.append(f"| {row['candidate']} | {row['precision']} | {row['optimizer']} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 
@@ -47,6 +54,19 @@ def test_every_zero_row_holds_what_the_memory_model_predicts(rows):
         assert measured["total"] == pytest.approx(predicted["total"], rel=TOLERANCE), row["candidate"]
         # fp32 state (gradients, master copies, moments) is where the stage-1 rows differed: checked on its own.
         assert measured["32-bit"] == pytest.approx(predicted["32-bit"], rel=TOLERANCE), row["candidate"]
+
+
+def test_every_zero_rows_peak_in_the_reduction_and_the_step_is_what_the_memory_model_predicts(rows):
+    # The held state plus the transient buffers of the reduction at the end of backward (BF16_Optimizer's
+    # flattened and cast buckets, the offloaded ZeRO-1 partition) or of the step (ZeRO-3's fp32 copy of the
+    # gradient partition, gloo's all-gather buffer), whichever phase holds more.
+    for row in rows:
+        predicted, measured = row["predicted"]["peak"], row["measured"]["peak"]
+        assert predicted > row["predicted"]["total"], row["candidate"]  # every row has a transient
+        if (row["candidate"], row["precision"]) in UNDER_COUNTED_PEAKS:
+            assert measured > (1 + TOLERANCE) * predicted, f"{row['candidate']} is counted now: drop it from the list"
+        else:
+            assert measured == pytest.approx(predicted, rel=TOLERANCE), (row["candidate"], row["precision"])
 
 
 def test_bf16_zero1_runs_deepspeeds_bf16_optimizer_and_zero3_builds_under_zero_init(rows):

@@ -4,15 +4,20 @@ rows on 2 CPU ranks), the load peaks, and the host-memory pruning."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
+from accelerate.utils import DistributedType
 from deepspeed.runtime.zero.stage3 import model_to_params
 
+from cram.errors import UserError
+from cram.models.pythia_model import embedding_parameters, gpt_neox_largest_module_parameters, gpt_neox_parameters
 from cram.plan.models import build_model, model_config
 from cram.plan.peak_memory import Shape, host_bytes, predicted_bytes, prune_reason, state_bytes
 from cram.plan.space import Candidate, candidate_space
-from cram.train.state_memory import model_state_bytes
+from cram.train import state_memory
+from cram.train.state_memory import check_model_fits, model_state_bytes
 
 GIB = 2**30
 
@@ -30,21 +35,28 @@ def shapes() -> dict[tuple[str, int], Shape]:
 def test_bf16_zero1_counts_the_full_fp32_gradient_of_deepspeeds_bf16_optimizer(shapes):
     shape = shapes["pythia-12b", 8]
     p = shape.parameters
-    # 16-bit weights and gradients, the full fp32 gradient, fp32 master and moments sharded: not 2 + 18/N.
-    assert state_bytes(Candidate("zero1"), shape) == pytest.approx(p * (2 + 2 + 4 + 12 / 8))
+    # 16-bit weights and gradients, the full fp32 gradient, fp32 master and moments sharded: not 2 + 18/N; and at the
+    # end of backward a bucket of 5e8 elements (and the tensor that passes the mark) flattened in fp32 and cast to
+    # bf16 for the all-reduce: about 3 GB whatever the model's size.
+    bucket = 6 * (5e8 + shape.largest_layer_parameters)
+    assert state_bytes(Candidate("zero1"), shape) == pytest.approx(p * (2 + 2 + 4 + 12 / 8) + bucket)
     assert state_bytes(Candidate("zero1"), shape) > 100 * GIB  # DeepSpeed's estimator says 46.9 GiB
     # ZeRO-2 reduces into fp32 partitions during backward: 2 + 16/N and one layer's gradient in flight.
     in_flight = 2 * shape.largest_layer_parameters
     assert state_bytes(Candidate("zero2"), shape) == pytest.approx(p * (2 + 16 / 8) + in_flight)
     fp32 = shape_of("pythia-1b", 4, activation_bytes=4)
     assert state_bytes(Candidate("zero1"), fp32) == pytest.approx(fp32.parameters * (4 + 4 + 12 / 4))
+    # With offload, the fp32 gradient partition is built for the step while the full fp32 accumulator lives.
+    offloaded = state_bytes(Candidate("zero1", offload=True), shape)
+    assert offloaded == pytest.approx(p * (2 + 4) + 2 * shape.largest_layer_parameters + 4 * p / 8)
 
 
 def test_zero3_without_zero_init_counts_the_whole_16_bit_model_on_the_device_while_loading():
     pythia = shape_of("pythia-1b", 8)  # built under zero.Init: partitioned as it is built
     assert pythia.zero_init
     offloaded = Candidate("zero3", offload=True)
-    assert state_bytes(offloaded, pythia) == pytest.approx(2 * 2 * pythia.largest_layer_parameters)
+    gathered = 2 * (pythia.block_parameters + 2 * pythia.largest_layer_parameters)
+    assert state_bytes(offloaded, pythia) == pytest.approx(gathered)
     whole = dataclasses.replace(pythia, zero_init=False)  # as crammed BERT is built
     assert state_bytes(offloaded, whole) == pytest.approx(2 * whole.parameters)
     # Built whole, each process holds the fp32 model in host memory first; under zero.Init one layer at a time.
@@ -65,7 +77,14 @@ def test_the_largest_layer_is_counted_as_deepspeed_counts_it(shapes):
 def test_offload_leaves_pythia_12b_about_one_gib_on_the_gpu_and_a_512_gb_node_keeps_every_zero_row(shapes):
     shape = shapes["pythia-12b", 1]
     offloaded = Candidate("zero3", offload=True)
-    assert 0.9 * GIB < state_bytes(offloaded, shape) < 1.1 * GIB  # the embedding and its gradient: 2 × 2 × 259 M
+    # max_reuse_distance keeps the last block and the output embedding gathered into backward, beside a gradient as
+    # large as the embedding: 2 × (315 M + 2 × 259 M) bytes, not the embedding and its gradient alone (0.97 GiB).
+    assert 1.5 * GIB < state_bytes(offloaded, shape) < 1.6 * GIB
+    # Without offload, each step copies the gradient partition (up to a 1e9-element sub-group) to fp32.
+    eight = shapes["pythia-12b", 8]
+    step_copy = (2 + 4) * min(eight.parameters / 8, 1e9)
+    assert state_bytes(Candidate("zero3"), eight) == pytest.approx(
+        eight.parameters * 16 / 8 + 2 * (eight.block_parameters + 2 * eight.largest_layer_parameters) + step_copy)
     # Checkpointed, micro-batch 1 fits a 20 GiB GPU; the memory model does not prune it.
     assert prune_reason(Candidate("zero3", offload=True, checkpointing=True), shape, 20 * GIB) is None
     eight = shapes["pythia-12b", 8]
@@ -85,13 +104,19 @@ def test_offload_leaves_pythia_12b_about_one_gib_on_the_gpu_and_a_512_gb_node_ke
 
 def test_fsdp_offload_keeps_one_copy_of_the_shards_and_gathers_in_the_autocast_dtype(shapes):
     shape = shapes["pythia-1b", 4]
-    p, n, largest = shape.parameters, 4, shape.largest_layer_parameters
+    p, n = shape.parameters, 4
+    root = p - shape.layers * shape.block_parameters  # both embeddings and the final LayerNorm
+    assert root == 2 * shape.largest_layer_parameters + 2 * shape.hidden
     assert host_bytes(Candidate("fsdp-grad-op", offload=True), shape) == pytest.approx(max(4 * p * n, 16 * p))
     assert host_bytes(Candidate("fsdp-full", offload=True), shape) == pytest.approx(max(4 * p * n, 16 * p))
-    assert state_bytes(Candidate("fsdp-full"), shape) == pytest.approx(16 * p / n + 2 * largest)
-    assert state_bytes(Candidate("fsdp-grad-op"), shape) == pytest.approx(16 * p / n + 2 * p)
+    # Gathered in bf16: the root module and a block beside the next one; under no_sync accumulation every block's
+    # unsharded bf16 gradient (+2 bytes a parameter).
+    gathered = root + 2 * shape.block_parameters
+    assert state_bytes(Candidate("fsdp-full"), shape) == pytest.approx(16 * p / n + 2 * gathered + 2 * p)
+    assert state_bytes(Candidate("fsdp-grad-op"), shape) == pytest.approx(16 * p / n + 2 * p + 2 * p)
+    assert state_bytes(Candidate("fsdp-full", offload=True), shape) == pytest.approx(2 * gathered + 2 * p)
     fp32 = shape_of("pythia-1b", 4, activation_bytes=4)
-    assert state_bytes(Candidate("fsdp-full"), fp32) == pytest.approx(16 * p / n + 4 * largest)
+    assert state_bytes(Candidate("fsdp-full"), fp32) == pytest.approx(16 * p / n + 4 * gathered + 4 * p)
 
 
 def test_host_limits_do_not_prune_on_the_cpu_where_the_device_limit_is_the_host():
@@ -113,8 +138,9 @@ def test_fp32_zero_runs_keep_fp32_weights_and_a_separate_fp32_master_partition()
     fp32 = shape_of("pythia-1b", 4, activation_bytes=4)
     p, largest = fp32.parameters, fp32.largest_layer_parameters
     assert state_bytes(Candidate("zero2"), fp32) == pytest.approx(p * (4 + 16 / 4) + 4 * largest)
+    # Stage 3 in fp32: the step flattens the fp32 gradient partition (no second copy to fp32).
     assert model_state_bytes(p, largest, 3, False, False, 4, mixed_precision=False, zero_init=True).device == (
-        pytest.approx(p * 20 / 4 + 8 * largest))
+        pytest.approx(p * 20 / 4 + 8 * largest + 4 * p / 4))
 
 
 def test_sharding_offload_and_checkpointing_order_the_candidates(shapes):
@@ -134,3 +160,26 @@ def test_an_eight_bit_optimizer_saves_six_bytes_per_parameter_where_the_moments_
     assert saving == pytest.approx(6 * shape.parameters / 4)
     assert state_bytes(Candidate(), shape) - state_bytes(Candidate(optimizer="adamw-8bit"), shape) == (
         6 * shape.parameters)
+
+
+def fsdp_launch(offload: bool, processes: int) -> SimpleNamespace:
+    """What `check_model_fits` reads of an Accelerator launched with FSDP2 on `processes` GPUs in bf16."""
+    plugin = SimpleNamespace(cpu_offload=offload, reshard_after_forward=True)
+    return SimpleNamespace(device=torch.device("cuda"), distributed_type=DistributedType.FSDP,
+                           num_processes=processes, mixed_precision="bf16",
+                           state=SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=plugin))
+
+
+def test_an_fsdp_launch_is_checked_with_fsdps_own_formula(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    node = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 512 * GIB // 4096}  # a 512 GiB host
+    monkeypatch.setattr(state_memory.os, "sysconf", node.__getitem__)
+    config = model_config("pythia-12b", 2048)
+    parameters, root = gpt_neox_parameters(config), embedding_parameters(config) + 2 * config.hidden_size
+    sizes = {"largest_layer_parameters": gpt_neox_largest_module_parameters(config),
+             "block_parameters": (parameters - root) // config.num_hidden_layers, "root_parameters": root}
+    # Offloaded, 12b on 2 × 80 GiB keeps the gathered root and blocks and the no_sync gradients (about 25 GiB) on
+    # each GPU: it fits, where ZeRO-3's formula without offload (8 bytes a parameter each, 88 GiB) refused it.
+    check_model_fits(parameters, fsdp_launch(True, 2), 80, "pythia-12b", **sizes)
+    with pytest.raises(UserError, match=r"under FSDP on 2 process\(es\)"):
+        check_model_fits(parameters, fsdp_launch(False, 2), 80, "pythia-12b", **sizes)

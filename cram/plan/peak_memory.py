@@ -18,13 +18,14 @@ activations. The logits and their gradient add seq · vocab · 10 bytes per sequ
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from transformers import GPTNeoXConfig, PretrainedConfig
 
-from cram.plan.models import build_model, builds_under_zero_init
+from cram.plan.models import build_model, builds_under_zero_init, layer_class_name
 from cram.plan.space import Candidate
-from cram.train.state_memory import Part, StateBytes, model_state_bytes
+from cram.train.state_memory import Part, StateBytes, fsdp_state_bytes, model_state_bytes, peak_bytes
 
 # Predictions above the limit by more than this factor are pruned; closer ones are measured (the model is rough).
 PRUNE_MARGIN = 1.25
@@ -46,6 +47,7 @@ class Shape:
     largest_layer_parameters: int = 0  # the largest module's own parameters (what ZeRO-3 gathers at once)
     matmul_parameters: int = 0  # weights of the linear layers (autocast keeps a 16-bit copy of each)
     zero_init: bool = False  # built partitioned under a ZeRO-3 launch (emit.py sets zero3_init_flag for it)
+    block_parameters: int = 0  # one transformer block's parameters (what FSDP gathers at once)
 
     @classmethod
     def of(cls, config: PretrainedConfig, seq_len: int, num_devices: int, on_cpu: bool,
@@ -59,8 +61,10 @@ class Shape:
         largest = max(sum(param.numel() for param in module.parameters(recurse=False))
                       for module in model.modules())
         matmul = sum(module.weight.numel() for module in model.modules() if isinstance(module, torch.nn.Linear))
+        block = max(sum(param.numel() for param in module.parameters()) for module in model.modules()
+                    if type(module).__name__ == layer_class_name(config))
         return cls(parameters, config.num_hidden_layers, config.hidden_size, config.vocab_size, seq_len, fraction,
-                   num_devices, on_cpu, activation_bytes, largest, matmul, builds_under_zero_init(config))
+                   num_devices, on_cpu, activation_bytes, largest, matmul, builds_under_zero_init(config), block)
 
     @property
     def mixed_precision(self) -> bool:
@@ -68,27 +72,43 @@ class Shape:
 
 
 def _fsdp_state(candidate: Candidate, shape: Shape) -> tuple[float, float]:
-    """(device, host per node) bytes of FSDP2's state."""
-    p, n = shape.parameters, shape.num_devices
-    shards, grads, optimizer = 4.0 * p / n, 4.0 * p / n, 8.0 * p / n  # fp32, sharded at rest
-    compute = float(shape.activation_bytes)  # the dtype weights are gathered in
-    gathered = compute * (shape.largest_layer_parameters if candidate.sharding == "fsdp-full" else p)
-    loading = 4.0 * p * n  # each process loads the whole fp32 model first (cpu_ram_efficient_loading false)
-    if candidate.offload and not shape.on_cpu:
-        return gathered, max(loading, (shards + grads + optimizer) * n)
-    return shards + grads + optimizer + gathered, loading
+    """(device, host per node) bytes of FSDP2's state (`cram.train.state_memory.fsdp_state_bytes`)."""
+    root = shape.parameters - shape.layers * shape.block_parameters
+    state = fsdp_state_bytes(shape.parameters, shape.block_parameters, root, candidate.offload and not shape.on_cpu,
+                             candidate.sharding == "fsdp-full", shape.num_devices,
+                             mixed_precision=shape.mixed_precision)
+    return state.device, state.host
 
 
 def zero_state(candidate: Candidate, shape: Shape) -> StateBytes:
-    """The memory model's state of a ZeRO candidate, offloaded as its config says (also on the CPU)."""
+    """The memory model's state of a ZeRO candidate, offloaded as its config says (also on the CPU). On the CPU,
+    stages 1 and 2 gather the updated weights after each step through gloo, whose `_allgather_base` fills a
+    buffer of its own as large as the weights (NCCL gathers into the weights in place)."""
+    state = _zero_state(candidate, shape)
+    if not (shape.on_cpu and candidate.zero_stage in (1, 2)):
+        return state
+    weight = 2 if shape.mixed_precision else 4
+    parts = (*state.parts, Part("weights gathered through gloo", "device", weight, float(weight * shape.parameters),
+                                "step"))
+    return dataclasses.replace(state, device=max(state.device, peak_bytes(parts)), parts=parts)
+
+
+def _zero_state(candidate: Candidate, shape: Shape) -> StateBytes:
     return model_state_bytes(shape.parameters, shape.largest_layer_parameters, candidate.zero_stage,
                              candidate.offload, candidate.offload and candidate.zero_stage == 3, shape.num_devices,
                              mixed_precision=shape.mixed_precision,
-                             zero_init=shape.zero_init and candidate.zero_stage == 3)
+                             zero_init=shape.zero_init and candidate.zero_stage == 3,
+                             block_parameters=shape.block_parameters)
 
 
 def state_parts(candidate: Candidate, shape: Shape) -> tuple[Part, ...]:
     """What one process of a ZeRO candidate holds, part by part, at the end of a backward pass."""
+    return tuple(part for part in zero_state(candidate, shape).parts if part.held)
+
+
+def peak_parts(candidate: Candidate, shape: Shape) -> tuple[Part, ...]:
+    """What one process of a ZeRO candidate holds at the end of backward, and the transient buffers of the reduction
+    there and of the optimizer step (`cram.train.state_memory.peak_bytes` takes the larger phase)."""
     return zero_state(candidate, shape).parts
 
 

@@ -26,6 +26,10 @@ from accelerate.utils import DistributedType
 from cram.errors import UserError
 
 GIB = 2**30
+# DeepSpeed's defaults for the buffers the emitted configs leave unset: engine.py `buffered_allreduce_fallback`'s
+# elements_per_buffer, and zero/config.py `sub_group_size`.
+ALLREDUCE_BUCKET_ELEMENTS = 500_000_000
+SUB_GROUP_ELEMENTS = 1_000_000_000
 
 
 @dataclass(frozen=True)
@@ -36,30 +40,45 @@ class Part:
     where: str  # "device" or "host"
     element_bytes: int
     bytes: float
+    # "held" from the backward pass on; "reduction" or "step": alive only in the reduction at the end of backward,
+    # or in the optimizer step, which follow each other (a peak holds one phase's transients at a time)
+    phase: str = "held"
+
+    @property
+    def held(self) -> bool:
+        return self.phase == "held"
 
 
 @dataclass(frozen=True)
 class StateBytes:
     device: float  # on each accelerator, at its fullest (loading the model, or the end of a backward pass)
     host: float  # in one node's memory, all its processes together, at its fullest (loading or training)
-    parts: tuple[Part, ...] = field(default=(), compare=False)  # what one process holds while it trains
+    parts: tuple[Part, ...] = field(default=(), compare=False)  # what one process holds while it trains, and its
+    # transient buffers of the reduction window
+
+
+def peak_bytes(parts: tuple[Part, ...] | list[Part], where: str = "device") -> float:
+    """The most bytes `parts` hold at once in `where`: every held part and the larger phase's transients."""
+    held = sum(part.bytes for part in parts if part.where == where and part.held)
+    phases = [sum(part.bytes for part in parts if part.where == where and part.phase == phase)
+              for phase in ("reduction", "step")]
+    return held + max(phases)
 
 
 def model_state_bytes(parameters: int, largest_layer_parameters: int, zero_stage: int, offload_optimizer: bool,
                       offload_param: bool, processes_per_node: int, nodes: int = 1,
-                      mixed_precision: bool = True, zero_init: bool = False) -> StateBytes:
+                      mixed_precision: bool = True, zero_init: bool = False, block_parameters: int = 0) -> StateBytes:
     """Weights, gradients and optimizer state (Adam) of a model under ZeRO stage `zero_stage` (0: none); `zero_init`:
     a ZeRO-3 model is built partitioned (`deepspeed.zero.Init`), not whole and then moved."""
     devices = processes_per_node * nodes
     if zero_stage >= 1:
         parts = deepspeed_parts(parameters, largest_layer_parameters, zero_stage, offload_optimizer, offload_param,
-                                devices, mixed_precision)
+                                devices, mixed_precision, block_parameters)
     else:
         parts = [Part("fp32 weights", "device", 4, 4.0 * parameters),
                  Part("fp32 gradients", "device", 4, 4.0 * parameters),
                  Part("Adam moments", "device", 4, 8.0 * parameters)]
-    device = sum(part.bytes for part in parts if part.where == "device")
-    host = sum(part.bytes for part in parts if part.where == "host")
+    device, host = peak_bytes(parts, "device"), peak_bytes(parts, "host")
     weight_bytes = 2.0 if mixed_precision else 4.0
     built_partitioned = zero_stage == 3 and zero_init
     if zero_stage == 3 and not zero_init:
@@ -73,9 +92,10 @@ def model_state_bytes(parameters: int, largest_layer_parameters: int, zero_stage
 
 
 def deepspeed_parts(parameters: int, largest_layer_parameters: int, zero_stage: int, offload_optimizer: bool,
-                    offload_param: bool, devices: int, mixed_precision: bool) -> list[Part]:
-    """What one process of a ZeRO launch holds at the end of a backward pass, under the emitted config."""
-    p, n, largest = float(parameters), devices, float(largest_layer_parameters)
+                    offload_param: bool, devices: int, mixed_precision: bool, block_parameters: int = 0) -> list[Part]:
+    """What one process of a ZeRO launch holds at the end of a backward pass, under the emitted config, and the
+    buffers it allocates only for the reduction and the optimizer step (`held` False)."""
+    p, n, largest, block = float(parameters), devices, float(largest_layer_parameters), float(block_parameters)
     weight = 2 if mixed_precision else 4  # the engine's own copy of the weights: 16-bit under mixed precision
     offloaded = "host" if offload_optimizer else "device"
     parts: list[Part] = []
@@ -90,6 +110,14 @@ def deepspeed_parts(parameters: int, largest_layer_parameters: int, zero_stage: 
             parts.append(Part("gradient in flight", "device", weight, weight * largest))
             if not offload_optimizer or mixed_precision:
                 parts.append(Part("fp32 gradient partition", "device", 4, 4 * p / n))
+        if zero_stage == 1 and mixed_precision and not offload_optimizer:
+            # engine.py `allreduce_no_retain`: buckets of the fp32 gradient past 5e8 elements, each flattened, then
+            # cast to the communication dtype (bf16) for the all-reduce.
+            bucket = min(p, ALLREDUCE_BUCKET_ELEMENTS + largest)
+            parts += [Part("all-reduce bucket, flattened", "device", 4, 4 * bucket, "reduction"),
+                      Part("all-reduce bucket, cast", "device", 2, 2 * bucket, "reduction")]
+        if zero_stage == 1 and offload_optimizer:
+            parts.append(Part("fp32 gradient partition beside the accumulator", "device", 4, 4 * p / n, "reduction"))
         if offload_optimizer:
             parts += [Part("fp32 gradient partition (offloaded)", "host", 4, 4 * p / n),
                       Part("fp32 master weights and Adam moments", "host", 4, 12 * p / n),
@@ -102,10 +130,46 @@ def deepspeed_parts(parameters: int, largest_layer_parameters: int, zero_stage: 
     parts += [Part("weight partition", "host" if offload_param else "device", weight, weight * p / n),
               Part("gradient partition", offloaded, weight, weight * p / n),  # stage 3: the training dtype
               Part("fp32 master weights and Adam moments", offloaded, 4, 12 * p / n),
-              Part("gathered layer and its gradient", "device", weight, 2 * weight * largest)]
+              # max_reuse_distance (1e9 elements) keeps the last block and the output embedding gathered from the
+              # forward pass into the backward pass, where a gradient as large as the largest layer's is made.
+              Part("gathered last block and output embedding", "device", weight, weight * (block + largest)),
+              Part("gathered gradient", "device", weight, weight * largest)]
     if offload_optimizer:  # DeepSpeed's CPU Adam reads the gradient from the master partition's own .grad
         parts.append(Part("fp32 master gradient", "host", 4, 4 * p / n))
+    # Each sub-group's gradient partition is flattened for the step; without offload stage3.py
+    # `_prepare_fp32_grad_for_sub_group` then copies it to fp32 (offloaded, the fp32 master gradient above holds it).
+    sub_group = min(p / n, SUB_GROUP_ELEMENTS)
+    parts.append(Part("flattened gradient sub-group", offloaded, weight, weight * sub_group, "step"))
+    if mixed_precision and not offload_optimizer:
+        parts.append(Part("fp32 copy of the gradient sub-group", "device", 4, 4 * sub_group, "step"))
     return parts
+
+
+def fsdp_state_bytes(parameters: int, block_parameters: int, root_parameters: int, offload: bool,
+                     reshard_after_forward: bool, processes_per_node: int, nodes: int = 1,
+                     mixed_precision: bool = True) -> StateBytes:
+    """FSDP2 as Accelerate sets it up: `fully_shard` on each transformer block and on the root module, gathering and
+    reducing in the autocast dtype (Accelerate's MixedPrecisionPolicy gives param_dtype and reduce_dtype alike).
+
+    Sharded at rest: fp32 weights, gradients and Adam moments (4 + 4 + 8 bytes per parameter over the processes;
+    on the host with CPUOffloadPolicy, one copy of each over the node). Gathered in the compute dtype: the root
+    module (the embeddings; the root does not reshard after forward) and a block beside the next one prefetched,
+    or the whole model from forward to backward where blocks do not reshard after forward. Accumulating under
+    `no_sync` (Accelerate's `set_requires_gradient_sync(False)`, every step of several micro-batches) keeps each
+    block's unsharded gradient in the compute dtype until the last micro-batch reduces it. Each process loads the
+    whole fp32 model first (cpu_ram_efficient_loading false)."""
+    devices = processes_per_node * nodes
+    p, n = float(parameters), devices
+    compute = 2 if mixed_precision else 4
+    where = "host" if offload else "device"
+    gathered = p if not reshard_after_forward else min(p, root_parameters + 2.0 * block_parameters)
+    parts = [Part("fp32 weight shard", where, 4, 4 * p / n), Part("fp32 gradient shard", where, 4, 4 * p / n),
+             Part("Adam moments", where, 4, 8 * p / n),
+             Part("gathered root module and blocks", "device", compute, compute * gathered)]
+    if devices > 1:
+        parts.append(Part("unsharded gradients under no_sync", "device", compute, compute * p))
+    device, host = peak_bytes(parts, "device"), processes_per_node * peak_bytes(parts, "host")
+    return StateBytes(device, max(processes_per_node * 4.0 * p, host), tuple(parts))
 
 
 def launch_sharding(accelerator: Accelerator) -> tuple[int, bool, bool, str]:
@@ -118,23 +182,33 @@ def launch_sharding(accelerator: Accelerator) -> tuple[int, bool, bool, str]:
         offloaded = " with offload" if offload_optimizer or offload_param else ""
         return plugin.zero_stage, offload_optimizer, offload_param, f"DeepSpeed ZeRO-{plugin.zero_stage}{offloaded}"
     if accelerator.distributed_type == DistributedType.FSDP:
-        return 3, False, False, "FSDP"
+        offload = bool(accelerator.state.fsdp_plugin.cpu_offload)
+        return 3, offload, offload, "FSDP" + (" with offload" if offload else "")
     return 0, False, False, "no sharding"
 
 
 def check_model_fits(parameters: int, accelerator: Accelerator, device_memory_gib: float | None, name: str,
-                     largest_layer_parameters: int = 0) -> None:
+                     largest_layer_parameters: int = 0, block_parameters: int = 0,
+                     root_parameters: int | None = None) -> None:
     """Refuse a size whose weights, gradients and Adam states alone exceed the accelerator's memory (the GPU's own,
-    or `device_memory_gib`) or, where offloaded, the host's, under the launch's sharding."""
+    or `device_memory_gib`) or, where offloaded, the host's, under the launch's sharding: DeepSpeed's ZeRO stage,
+    or FSDP2 with its own formula (`fsdp_state_bytes`: one transformer block of `block_parameters` and the root
+    module's `root_parameters`, the whole model where not given, gathered at once)."""
     if device_memory_gib is None and accelerator.device.type == "cuda":
         device_memory_gib = torch.cuda.get_device_properties(accelerator.device).total_memory / GIB
     stage, offload_optimizer, offload_param, sharding = launch_sharding(accelerator)
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    nodes = max(1, accelerator.num_processes // local_processes)
+    mixed_precision = accelerator.mixed_precision in ("bf16", "fp16")
     plugin = accelerator.state.deepspeed_plugin  # recipes/pythia.py builds under zero.Init where the launch asks
-    state = model_state_bytes(parameters, largest_layer_parameters, stage, offload_optimizer, offload_param,
-                              local_processes, max(1, accelerator.num_processes // local_processes),
-                              mixed_precision=accelerator.mixed_precision in ("bf16", "fp16"),
-                              zero_init=plugin is not None and plugin.is_zero3_init_enabled())
+    if accelerator.distributed_type == DistributedType.FSDP:
+        reshard = accelerator.state.fsdp_plugin.reshard_after_forward not in (False, "SHARD_GRAD_OP", "NO_SHARD")
+        state = fsdp_state_bytes(parameters, block_parameters, parameters if root_parameters is None else
+                                 root_parameters, offload_optimizer, reshard, local_processes, nodes, mixed_precision)
+    else:
+        state = model_state_bytes(parameters, largest_layer_parameters, stage, offload_optimizer, offload_param,
+                                  local_processes, nodes, mixed_precision=mixed_precision,
+                                  zero_init=plugin is not None and plugin.is_zero3_init_enabled())
     planner = "run the planner (recipes/plan.py) to find a configuration that fits"
     if device_memory_gib is not None and state.device / GIB > device_memory_gib:
         raise UserError(
