@@ -1,10 +1,14 @@
-"""Crammed BERT's attention paths: each gives the reference outputs and gradients; the masked-only loss."""
+"""Crammed BERT's attention paths: each gives the reference outputs and gradients; the masked-only loss. Pythia's
+attention: SDPA's causal kernel with no mask tensor, eager and compiled, on every transformers the floors admit."""
 
 import contextlib
 
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
+from torch.overrides import TorchFunctionMode
+from transformers import masking_utils
 
 from cram.models import crammed_bert
 from cram.models.crammed_bert import (
@@ -14,6 +18,7 @@ from cram.models.crammed_bert import (
     CrammedBertForMaskedLM,
     attention_path_for,
 )
+from cram.models.pythia_model import build_pythia_model, pythia_config
 
 
 def tiny_model(path: str | None) -> CrammedBertForMaskedLM:
@@ -108,3 +113,95 @@ def test_the_loss_over_masked_positions_equals_dense_cross_entropy_on_the_same_l
     expected = dense / (masked.sum() if num_items_in_batch is None else num_items_in_batch)
     torch.testing.assert_close(output.loss, expected)
     torch.testing.assert_close(output.logits, dense_logits[masked])  # the masked rows, in order
+
+
+def tiny_pythia() -> transformers.GPTNeoXForCausalLM:
+    torch.manual_seed(0)
+    return build_pythia_model("pythia-14m", pythia_config("pythia-14m", num_hidden_layers=2, vocab_size=512),
+                              device="cpu")
+
+
+def pythia_batch() -> dict[str, torch.Tensor]:
+    tokens = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(3))
+    return {"input_ids": tokens[:, :-1], "labels": tokens[:, :-1], "shift_labels": tokens[:, 1:].contiguous()}
+
+
+def sdpa_call(args: tuple, kwargs: dict) -> dict:
+    """The mask and causal flag of one scaled_dot_product_attention call, however its arguments were passed."""
+    attn_mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+    is_causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
+    return {"has_mask": attn_mask is not None, "is_causal": is_causal}
+
+
+class SdpaCalls(TorchFunctionMode):
+    """Records every eager call of F.scaled_dot_product_attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            self.calls.append(sdpa_call(args, kwargs))
+        return func(*args, **kwargs)
+
+
+def compiled_sdpa_calls(model: torch.nn.Module, inputs: dict) -> list[dict]:
+    """The SDPA calls in the graphs torch.compile traces for `model(**inputs)`, found by a backend that reads each
+    FX graph and then runs it as traced."""
+    calls = []
+
+    def inspecting_backend(graph_module: torch.fx.GraphModule, example_inputs: list) -> callable:
+        for node in graph_module.graph.nodes:
+            if node.op == "call_function" and node.target is F.scaled_dot_product_attention:
+                calls.append(sdpa_call(node.args, node.kwargs))
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=inspecting_backend)(**inputs).loss.backward()
+    return calls
+
+
+MASK_FREE_CAUSAL = {"has_mask": False, "is_causal": True}
+
+
+@pytest.fixture(params=["as installed", "mask built while tracing"])
+def transformers_masking(request, monkeypatch) -> str:
+    """transformers as installed, and as up to 5.17 (the GPU images' release), whose SDPA mask function builds the
+    full causal mask whenever torch.compile traces: this stack's newer transformers skips it there too, so without
+    the stand-in the suite would not see the case the GPU images run into."""
+    if request.param == "mask built while tracing":
+        ignore_mask = masking_utils._ignore_causal_mask_sdpa
+        monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", lambda *args, **kwargs: (
+            False if torch.compiler.is_compiling() else ignore_mask(*args, **kwargs)))
+    return request.param
+
+
+@pytest.mark.slow
+def test_compiled_pythia_calls_sdpa_causal_with_no_mask_tensor(transformers_masking):
+    model = tiny_pythia()
+    assert compiled_sdpa_calls(model, pythia_batch()) == [MASK_FREE_CAUSAL] * model.config.num_hidden_layers
+    if transformers_masking == "mask built while tracing":  # the stand-in does bring the mask to a plain model
+        plain = transformers.GPTNeoXForCausalLM(pythia_config("pythia-14m", num_hidden_layers=2, vocab_size=512))
+        assert compiled_sdpa_calls(plain, pythia_batch())[0] == {"has_mask": True, "is_causal": False}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_eager_pythia_calls_sdpa_causal_with_no_mask_tensor_and_masks_padding(precision):
+    model = tiny_pythia()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+    with SdpaCalls() as recorded, autocast:
+        model(**pythia_batch()).loss.backward()
+    assert recorded.calls == [MASK_FREE_CAUSAL] * model.config.num_hidden_layers
+    # A padding mask is honoured: the outputs are transformers' own, whose "sdpa" path builds the mask.
+    plain = transformers.GPTNeoXForCausalLM(pythia_config("pythia-14m", num_hidden_layers=2, vocab_size=512))
+    plain.load_state_dict(model.state_dict())
+    inputs = {"input_ids": pythia_batch()["input_ids"], "attention_mask": torch.ones(2, 32, dtype=torch.long)}
+    inputs["attention_mask"][1, 20:] = 0
+    with SdpaCalls() as recorded, autocast, torch.no_grad():
+        logits = model(**inputs).logits
+        expected = plain(**inputs).logits
+    assert all(call["has_mask"] for call in recorded.calls)
+    kept = inputs["attention_mask"].bool()
+    torch.testing.assert_close(logits[kept], expected[kept])

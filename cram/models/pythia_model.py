@@ -14,10 +14,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+from transformers import GPTNeoXConfig
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from cram.errors import UserError
+from cram.models.gpt_neox_training import GPTNeoXForCausalLM
 
 # GPT-NeoX v1.0 `megatron/model/init_functions.py`: the two init methods a Pythia config names.
 SMALL_AND_WANG = "small_init/wang_init"  # `init_method: small_init`, `output_layer_init_method: wang_init`
@@ -185,7 +186,8 @@ def build_pythia_model(
     name: str, config: GPTNeoXConfig | None = None, device: str | torch.device | None = None,
     zero_init: bool | None = None,
 ) -> GPTNeoXForCausalLM:
-    """A GPTNeoXForCausalLM of size `name` (at `config`, else `pythia_config(name)`), initialised as released.
+    """A GPTNeoXForCausalLM of size `name` (at `config`, else `pythia_config(name)`), initialised as released:
+    `cram.models.gpt_neox_training`'s, on SDPA's causal kernel and with the loss in chunks, saved as transformers'.
 
     With `zero_init` (unset: whenever transformers sees a ZeRO-3 DeepSpeed config; a recipe passes its launch's
     `zero3_init_flag`) the model is built by transformers under `deepspeed.zero.Init`, partitioned as it is built,
