@@ -14,9 +14,10 @@ from deepspeed.runtime.zero.stage3 import model_to_params
 from cram.errors import UserError
 from cram.models.pythia_model import embedding_parameters, gpt_neox_largest_module_parameters, gpt_neox_parameters
 from cram.plan.models import build_model, model_config
-from cram.plan.peak_memory import Shape, host_bytes, predicted_bytes, prune_reason, state_bytes
+from cram.plan.peak_memory import Shape, activation_bytes, host_bytes, predicted_bytes, prune_reason, state_bytes
 from cram.plan.space import Candidate, candidate_space
 from cram.train import state_memory
+from cram.train.activation_checkpointing import enable_activation_checkpointing
 from cram.train.state_memory import check_model_fits, model_state_bytes
 
 GIB = 2**30
@@ -183,3 +184,41 @@ def test_an_fsdp_launch_is_checked_with_fsdps_own_formula(monkeypatch):
     check_model_fits(parameters, fsdp_launch(True, 2), 80, "pythia-12b", **sizes)
     with pytest.raises(UserError, match=r"under FSDP on 2 process\(es\)"):
         check_model_fits(parameters, fsdp_launch(False, 2), 80, "pythia-12b", **sizes)
+
+
+def saved_for_backward(layers: int, precision: str, seq_len: int, micro_batch: int) -> int:
+    """Bytes the forward pass of a checkpointed pythia-14m cut to `layers` layers keeps for backward (each storage
+    once), under bf16 autocast or in fp32."""
+    config = model_config("pythia-14m", seq_len)
+    config.vocab_size = 512
+    torch.manual_seed(0)
+    model = build_model(config)
+    model.gpt_neox.layers = model.gpt_neox.layers[:layers]
+    model.config.num_hidden_layers = layers
+    enable_activation_checkpointing(model)
+    model.train()
+    kept: dict[int, int] = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    tokens = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        model(input_ids=tokens)
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_a_checkpointed_layer_keeps_its_input_in_fp32_under_autocast_as_the_model_counts(precision):
+    seq_len, micro_batch = 64, 2
+    per_layer = (saved_for_backward(4, precision, seq_len, micro_batch)
+                 - saved_for_backward(2, precision, seq_len, micro_batch)) / 2
+    shape = Shape.of(model_config("pythia-14m", seq_len), seq_len, 1, on_cpu=True,
+                     activation_bytes=2 if precision == "bf16" else 4)
+    assert per_layer == 4 * seq_len * shape.hidden * micro_batch  # the residual stream is fp32, not 2 bytes
+    checkpointed = Candidate(checkpointing=True)
+    one_more = dataclasses.replace(shape, layers=shape.layers + 1)
+    assert activation_bytes(checkpointed, one_more, micro_batch) - activation_bytes(
+        checkpointed, shape, micro_batch) == pytest.approx(per_layer)

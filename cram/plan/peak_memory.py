@@ -12,8 +12,9 @@ reshard after forward; its offload moves the shards, gradients and moments to th
 node. On the CPU host and device memory are one, so a process's whole state counts against the one limit there.
 The host limit gets the device's margin: both are models, and the host's holds no estimator's buffer factor.
 Activations follow Korthikanti et al. (2022): about 34 · seq · hidden bytes per layer and sequence in 16-bit
-(SDPA keeps the seq² scores out of memory); checkpointing keeps only each layer's input plus one layer's
-activations. The logits and their gradient add seq · vocab · 10 bytes per sequence.
+(SDPA keeps the seq² scores out of memory), with each layer's input in fp32 (the residual stream autocast leaves
+in fp32); checkpointing keeps only each layer's fp32 input plus one layer's activations. The loss adds the logits
+and 12 fp32 bytes per logit (`activation_bytes`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from cram.train.state_memory import Part, StateBytes, fsdp_state_bytes, model_st
 
 # Predictions above the limit by more than this factor are pruned; closer ones are measured (the model is rough).
 PRUNE_MARGIN = 1.25
+# The loss's fp32 bytes per logit at its peak, in eager PyTorch: the log-softmax's output, its gradient and the
+# logits' gradient.
+LOSS_BYTES_PER_LOGIT = 12.0
 
 
 @dataclass(frozen=True)
@@ -147,14 +151,21 @@ def host_bytes(candidate: Candidate, shape: Shape) -> float:
 
 
 def activation_bytes(candidate: Candidate, shape: Shape, micro_batch: int) -> float:
-    """Activations kept for the backward pass of one micro-batch, and the logits."""
+    """Activations kept for the backward pass of one micro-batch, and the loss's at its peak.
+
+    Autocast leaves the residual stream in fp32 (the weights and the additions are fp32), so a layer's input, which
+    its LayerNorm keeps and which checkpointing keeps, is 4 · seq · hidden bytes, not Korthikanti's 2. The loss
+    (Hugging Face's: the logits in the compute dtype, upcast to fp32) keeps the logits and the log-softmax's fp32
+    output, and its backward adds the fp32 gradients of that output and of the logits: `LOSS_BYTES_PER_LOGIT` beside
+    the logits' own bytes."""
     scale = shape.activation_bytes / 2
-    per_layer = 34.0 * shape.seq_len * shape.hidden * scale
+    layer_input = 4.0 * shape.seq_len * shape.hidden  # fp32, under autocast as in fp32
+    per_layer = 34.0 * shape.seq_len * shape.hidden * scale + layer_input - 2.0 * shape.seq_len * shape.hidden * scale
     if candidate.checkpointing:
-        layers = shape.layers * 2.0 * shape.seq_len * shape.hidden * scale + per_layer
+        layers = shape.layers * layer_input + per_layer
     else:
         layers = shape.layers * per_layer
-    logits = 10.0 * shape.seq_len * shape.predicted_fraction * shape.vocab
+    logits = (shape.activation_bytes + LOSS_BYTES_PER_LOGIT) * shape.seq_len * shape.predicted_fraction * shape.vocab
     return micro_batch * (layers + logits)
 
 
