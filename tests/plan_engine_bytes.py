@@ -30,7 +30,7 @@ from cram.plan.peak_memory import Shape, peak_parts, state_parts
 from cram.plan.space import Candidate
 from cram.train.deepspeed_setup import configure_deepspeed, prepare_deepspeed_on_the_cpu
 from cram.train.optim import build_adamw
-from cram.train.state_memory import peak_bytes
+from cram.train.state_memory import fsdp_state_bytes, peak_bytes
 
 MODEL = "pythia-14m"
 VOCAB = 8192  # a small vocabulary: the embeddings stay one layer among others
@@ -50,7 +50,10 @@ def storages(root: object) -> dict[int, tuple[int, torch.dtype, str]]:
             continue
         seen.add(id(item))
         if isinstance(item, torch.Tensor):
-            if item.device.type != "meta":
+            local = getattr(item, "_local_tensor", None)  # a DTensor (FSDP2's shards) wraps its rank's tensor
+            if local is not None:
+                stack.append((local, path + "._local_tensor"))
+            elif item.device.type != "meta":
                 storage = item.untyped_storage()
                 if storage.nbytes() and storage.data_ptr() not in found:
                     found[storage.data_ptr()] = (storage.nbytes(), item.dtype, path)
@@ -63,7 +66,8 @@ def storages(root: object) -> dict[int, tuple[int, torch.dtype, str]]:
             stack.extend((key, f"{path}<key>") for key in item if isinstance(key, torch.Tensor))
         elif isinstance(item, (list, tuple, set, frozenset)):
             stack.extend((value, f"{path}[{index}]") for index, value in enumerate(item))
-        elif type(item).__module__.startswith(("deepspeed", "torch.optim", "torch.nn", "transformers", "cram")) \
+        elif type(item).__module__.startswith(("deepspeed", "torch.optim", "torch.nn", "torch.distributed",
+                                               "transformers", "cram")) \
                 or dataclasses.is_dataclass(item):
             with_state = getattr(item, "__dict__", None)
             if with_state is not None:
@@ -144,6 +148,51 @@ def measure(candidate: Candidate, precision: str, folder: Path) -> dict:
     return row
 
 
+def measure_fsdp2_accumulation(precision: str) -> dict:
+    """FSDP2 as Accelerate applies it (accelerate/utils/fsdp_utils.py `fsdp2_prepare_model`: `fully_shard` on each
+    transformer block, then on the root, its MixedPrecisionPolicy gathering and reducing in the autocast dtype),
+    on gloo: what a rank holds after a micro-batch under `no_sync` (`set_requires_gradient_sync(False)`, as
+    Accelerate accumulates), once Adam's moments exist."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    config = model_config(MODEL, SEQ_LEN)
+    config.vocab_size = VOCAB
+    shape = Shape.of(config, SEQ_LEN, 2, on_cpu=True, activation_bytes=2 if precision == "bf16" else 4)
+    torch.manual_seed(0)
+    model = build_model(config)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+    for layer in model.gpt_neox.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    optimizer = build_adamw(model, 1e-4, (0.9, 0.95), 1e-8, 0.01)
+    tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ_LEN))
+
+    def backward() -> None:  # the gradients' sizes do not depend on the loss: any scalar of the logits
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            model(input_ids=tokens).logits.float().logsumexp(-1).mean().backward()
+
+    backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    model.set_requires_gradient_sync(False)
+    backward()
+    held = storages({"model": model, "optimizer": optimizer})
+    model.set_requires_gradient_sync(True)
+    state = fsdp_state_bytes(shape.parameters, shape.block_parameters,
+                             shape.parameters - shape.layers * shape.block_parameters, False, True, 2,
+                             mixed_precision=precision == "bf16")
+    # Between micro-batches: the fp32 shards, Adam's moments and the unsharded gradients; no gradient shard yet
+    # (zero_grad), no block gathered.
+    accumulating = [part for part in state.parts if part.name in ("fp32 weight shard", "Adam moments",
+                                                                  "unsharded gradients under no_sync")]
+    return {"candidate": "fsdp-full", "precision": precision, "parameters": shape.parameters,
+            "predicted": {"total": sum(part.bytes for part in accumulating),
+                          "unsharded gradients": next(part.bytes for part in accumulating
+                                                      if part.name == "unsharded gradients under no_sync")},
+            "measured": {"total": sum(nbytes for nbytes, _, _ in held.values())}}
+
+
 def main() -> None:
     prepare_deepspeed_on_the_cpu()
     rows = []
@@ -152,8 +201,9 @@ def main() -> None:
             for stage in (1, 2, 3):
                 for offload in (False, True):
                     rows.append(measure(Candidate(f"zero{stage}", offload=offload), precision, Path(folder)))
+    fsdp_rows = [measure_fsdp2_accumulation(precision) for precision in ("bf16", "no")]
     if torch.distributed.get_rank() == 0:
-        Path(sys.argv[1]).write_text(json.dumps(rows, indent=1))
+        Path(sys.argv[1]).write_text(json.dumps({"zero": rows, "fsdp2": fsdp_rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 of backward and in the optimizer step: every ZeRO candidate (stages 1, 2, 3, with and without offload), built from
 the planner's emitted launch pair on 2 CPU ranks, in bf16 and in fp32, in one launch (tests/plan_engine_bytes.py).
 On the CPU device and host are one memory, so a row compares all a rank holds with all the model puts on one
-process, device and host parts together."""
+process, device and host parts together. FSDP2's accumulation under no_sync is measured in the same launch."""
 
 from __future__ import annotations
 
@@ -23,13 +23,18 @@ pytestmark = pytest.mark.launch  # every test reads the one 2-rank launch
 
 
 @pytest.fixture(scope="module")
-def rows(tmp_path_factory) -> list[dict]:
+def measured(tmp_path_factory) -> dict[str, list[dict]]:
     output = tmp_path_factory.mktemp("engine-bytes") / "rows.json"
     command = [*accelerate_launch(REPO / "accel_configs" / "cpu-zero1.yaml"),
                REPO / "tests" / "plan_engine_bytes.py", output]
     done = run(command, cwd=REPO, env=os.environ)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(output.read_text())
+
+
+@pytest.fixture(scope="module")
+def rows(measured) -> list[dict]:
+    return measured["zero"]
 
 
 def table(rows: list[dict]) -> str:
@@ -74,3 +79,13 @@ def test_bf16_zero1_runs_deepspeeds_bf16_optimizer_and_zero3_builds_under_zero_i
     assert by_row["zero1", "bf16"]["optimizer"] == "BF16_Optimizer"  # the fp32 accumulation the config asks for
     assert by_row["zero1", "no"]["optimizer"] == "DeepSpeedZeroOptimizer"
     assert all(row["zero3_init_flag"] == row["candidate"].startswith("zero3") for row in rows)
+
+
+def test_fsdp2_accumulating_under_no_sync_holds_every_unsharded_gradient_as_the_model_counts(measured):
+    # FSDP2 runs on 2 CPU ranks over gloo: the fp32 shards, Adam's moments and, between micro-batches, each block's
+    # unsharded gradient in the compute dtype (2 bytes a parameter in bf16, 4 in fp32).
+    assert [row["precision"] for row in measured["fsdp2"]] == ["bf16", "no"]
+    for row in measured["fsdp2"]:
+        element = 2 if row["precision"] == "bf16" else 4
+        assert row["predicted"]["unsharded gradients"] == element * row["parameters"]
+        assert row["measured"]["total"] == pytest.approx(row["predicted"]["total"], rel=TOLERANCE), row["precision"]
