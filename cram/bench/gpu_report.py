@@ -36,7 +36,7 @@ from cram.train.throughput import peak_flops
 
 REPORTED_PACKAGES = ("torch", "transformers", "accelerate", "datasets", "tokenizers", "deepspeed", "bitsandbytes",
                      "peft", "wandb", "lm-eval", "omegaconf", "einops")
-# (what, faster row, slower row): rows by their name before the shape; the goals are the first two.
+# (what, faster row, slower row): rows by their name before the shape; the first two are the comparisons that matter
 RATIOS = (
     ("crammed BERT compiled / original compiled", "crammed BERT, compiled",
      "original cramming, compiled as its impl.compile_torch"),

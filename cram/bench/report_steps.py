@@ -74,12 +74,14 @@ def training_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], precis
 
 
 def mlm_batch(vocab: int, batch: int, seq_len: int, masked_fraction: float, device: torch.device) -> dict:
-    """Synthetic masked-LM tokens: a fixed fraction of positions carry labels, as the collator's masking gives."""
+    """Synthetic masked-LM tokens: `masked_fraction` of the positions, at random, carry labels: the fixed count
+    that crammed BERT's and the original's sparse prediction are built for."""
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(5, vocab, (batch, seq_len), generator=generator)
-    labels = torch.full_like(input_ids, -100)
-    masked = torch.rand(batch, seq_len, generator=generator) < masked_fraction
-    labels[masked] = input_ids[masked]
+    labels = torch.full_like(input_ids, -100).view(-1)
+    masked = torch.randperm(batch * seq_len, generator=generator)[:round(masked_fraction * batch * seq_len)]
+    labels[masked] = input_ids.view(-1)[masked]
+    labels = labels.view(batch, seq_len)
     return {"input_ids": input_ids.to(device), "labels": labels.to(device)}
 
 
