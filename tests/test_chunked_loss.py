@@ -5,6 +5,7 @@ import contextlib
 import json
 
 import pytest
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 import transformers
@@ -123,8 +124,12 @@ def test_a_pythia_14m_step_at_4_x_2048_keeps_no_logits_for_backward(dtype):
 
 
 def test_a_saved_model_is_transformers_plain_gpt_neox(tmp_path):
-    model, _ = tiny_models()
+    model, plain = tiny_models()
     model.save_pretrained(tmp_path)
+    plain.save_pretrained(tmp_path / "plain")
+    # The same file: transformers' names for the weights (its own class's conventions), the same values.
+    assert safetensors.torch.load_file(tmp_path / "model.safetensors").keys() \
+        == safetensors.torch.load_file(tmp_path / "plain" / "model.safetensors").keys()
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["architectures"] == ["GPTNeoXForCausalLM"] and "attn_implementation" not in saved
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)

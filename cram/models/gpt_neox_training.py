@@ -66,6 +66,12 @@ class GPTNeoXForCausalLM(transformers.GPTNeoXForCausalLM):
         # transformers names the output layer `lm_head` from 5.1 or so (`embed_out` in 5.0); the accessors know which.
         self.set_output_embeddings(OutputLayer(config.hidden_size, config.vocab_size, bias=False))
 
+    @classmethod
+    def is_custom_code(cls) -> bool:
+        """False: the modelling code is transformers' own, so its checkpoint conventions hold on saving and loading
+        (transformers 5.2x's files call the output layer `embed_out`, as the released Pythia files do)."""
+        return False
+
     def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 shift_labels: torch.Tensor | None = None, num_items_in_batch: int | torch.Tensor | None = None,
                 **kwargs) -> CausalLMOutputWithPast:
