@@ -1,11 +1,13 @@
 """The crammed-BERT model: exact size, sparse prediction, and life as a plain Hugging Face model."""
 
+import contextlib
 import os
 import sys
 
 import pytest
 import torch
 from launching import run
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForMaskedLM, AutoModelForSequenceClassification
 
 import cram  # noqa: F401 - registers the Auto classes
@@ -293,3 +295,51 @@ def test_trainer_with_gradient_accumulation_takes_the_same_step(tmp_path, head):
     assert loss_accumulated == pytest.approx(loss_whole, rel=1e-4)
     for name, value in weights_whole.items():
         torch.testing.assert_close(weights_accumulated[name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+class AtenOps(TorchDispatchMode):
+    """Records the aten operators that run."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.overloadpacket)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_an_eager_training_step_finds_the_masked_positions_without_nonzero(precision):
+    """nonzero's output size is read by the host, a device-to-host sync per micro-batch on a GPU; training takes
+    the static count instead, with the loss and gradients of exactly the masked positions."""
+    from cram.data.collator import MaskedLMCollator
+
+    collator = MaskedLMCollator(4, 512, [0, 1, 2, 3, 4], mask_fraction=0.25)
+    batch = collator(torch.randint(5, 512, (3, 64), generator=torch.Generator().manual_seed(0)))
+    torch.manual_seed(0)
+    model = CrammedBertForMaskedLM(tiny_config(max_position_embeddings=64))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+    results = {}
+    for mode in ("train", "eval"):
+        getattr(model, mode)()
+        model.zero_grad()
+        with AtenOps() as recorded, autocast:
+            loss = model(**batch).loss
+            loss.backward()
+        results[mode] = (loss.detach(), [param.grad.clone() for param in model.parameters()], recorded.ops)
+    train_loss, train_grads, train_ops = results["train"]
+    eval_loss, eval_grads, eval_ops = results["eval"]
+    assert torch.ops.aten.nonzero in eval_ops  # the recorder sees it where it runs
+    assert torch.ops.aten.nonzero not in train_ops and torch.ops.aten._local_scalar_dense not in train_ops
+    assert torch.equal(train_loss, eval_loss)
+    for grad, expected in zip(train_grads, eval_grads, strict=True):
+        torch.testing.assert_close(grad, expected, rtol=0, atol=0)
+
+
+def test_training_on_more_masked_positions_than_the_config_predicts_is_refused():
+    model = CrammedBertForMaskedLM(tiny_config()).train()
+    input_ids, labels = masked_batch(2)
+    labels[:, :] = input_ids  # every position masked, where the config predicts a quarter
+    with pytest.raises(RuntimeError, match="give the collator the config's sparse_prediction"):
+        model(input_ids, labels=labels)

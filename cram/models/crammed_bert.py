@@ -344,14 +344,23 @@ class CrammedBertForMaskedLM(CrammedBertPreTrainedModel):
         self.decoder = value
 
     def masked_positions(self, labels: torch.Tensor) -> torch.Tensor:
-        """Flat indices of the positions to predict."""
+        """Flat indices of the positions to predict.
+
+        In training, and whenever compiled, a static count: the masked positions first, in order, then unmasked
+        ones (label -100, which the loss leaves out) up to the count the collator masks per sequence. The shapes
+        stay fixed for the compiler, and eager training needs no `nonzero`, whose output size the host must read
+        from the device (a sync per micro-batch on a GPU). Evaluating eagerly, exactly the masked positions.
+        """
         is_masked = labels.reshape(-1) != IGNORE_INDEX
-        if torch.compiler.is_compiling():
-            # A static count keeps shapes fixed for the compiler: the collator masks exactly this many per sequence.
-            batch_size, seq_len = labels.shape
-            count = batch_size * round(self.config.sparse_prediction * seq_len)
-            return torch.argsort(is_masked.int(), descending=True, stable=True)[:count]
-        return is_masked.nonzero().squeeze(1)
+        compiling = torch.compiler.is_compiling()
+        if not (self.training or compiling):
+            return is_masked.nonzero().squeeze(1)
+        batch_size, seq_len = labels.shape
+        count = batch_size * round(self.config.sparse_prediction * seq_len)
+        if not compiling:  # checked on the device, without waiting for it
+            torch._assert_async(is_masked.sum() <= count, "more positions are masked than the model's "
+                                "sparse_prediction predicts: give the collator the config's sparse_prediction.")
+        return torch.argsort(is_masked.int(), descending=True, stable=True)[:count]
 
     def forward(
         self,
