@@ -193,8 +193,14 @@ def run_recipe_in_process(monkeypatch, capsys, recipe: Path, arguments: list) ->
     recipe refuses before any training (a fresh interpreter per case costs seconds of imports)."""
     monkeypatch.setattr(sys, "argv", [str(recipe), *map(str, arguments)])
     monkeypatch.setattr(sys, "path", list(sys.path))  # a recipe drops its own folder from the import path
-    with pytest.raises(SystemExit) as stopped:
-        runpy.run_path(str(recipe), run_name="__main__")
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            runpy.run_path(str(recipe), run_name="__main__")
+    finally:
+        # A refusal may come after the recipe made its Accelerator: leave no launch state to later tests.
+        from accelerate.state import AcceleratorState, GradientState
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
     return stopped.value.code, capsys.readouterr().err
 
 

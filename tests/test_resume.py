@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import run, started, wait_until
+from launching import run, run_recipe_in_process, started, wait_until
 
 from cram.train.checkpoint import STATE_FILE, complete_checkpoints
 
@@ -115,24 +115,30 @@ def test_a_run_killed_outright_resumes_from_its_last_complete_checkpoint(tmp_pat
     "change, message",
     [(["--lr", "2e-3"], "training.lr"), (["--preset", "small", "--micro-batch-size", "16"], "training.preset")],
 )
-def test_resuming_a_different_run_is_refused_before_any_step(recipe_env, stopped_by_sigterm, change, message):
+def test_resuming_a_different_run_is_refused_before_any_step(
+    monkeypatch, capsys, recipe_env, stopped_by_sigterm, change, message
+):
+    # In this process: the refusal comes before any step, so a process of its own would only add its imports.
     output_dir, _ = stopped_by_sigterm
+    monkeypatch.setenv("CRAM_CACHE", recipe_env["CRAM_CACHE"])
     before = sorted(path.name for path in (output_dir / "checkpoints").iterdir())
-    completed = run(recipe(output_dir, "--resume", "auto", *change), env=recipe_env)
-    assert completed.returncode == 2
-    assert completed.stderr.startswith("error: cannot resume") and message in completed.stderr
-    assert len(completed.stderr.strip().splitlines()) == 1
+    status, stderr = run_recipe_in_process(monkeypatch, capsys, RECIPE, [*RUN, "--output-dir", output_dir,
+                                                                         "--resume", "auto", *change])
+    assert status == 2
+    assert stderr.startswith("error: cannot resume") and message in stderr
+    assert len(stderr.strip().splitlines()) == 1
     assert sorted(path.name for path in (output_dir / "checkpoints").iterdir()) == before
     assert not (output_dir / "final").exists()
 
 
-def test_starting_afresh_over_a_runs_checkpoints_is_refused(tmp_path, recipe_env):
+def test_starting_afresh_over_a_runs_checkpoints_is_refused(tmp_path, monkeypatch, capsys, recipe_env):
     checkpoint = tmp_path / "run" / "checkpoints" / "step-00000004"
     checkpoint.mkdir(parents=True)
     (checkpoint / STATE_FILE).write_text("{}")
-    completed = run(recipe(tmp_path / "run"), env=recipe_env)
-    assert completed.returncode == 2 and "--resume auto" in completed.stderr
-    assert len(completed.stderr.strip().splitlines()) == 1
+    monkeypatch.setenv("CRAM_CACHE", recipe_env["CRAM_CACHE"])
+    status, stderr = run_recipe_in_process(monkeypatch, capsys, RECIPE, [*RUN, "--output-dir", tmp_path / "run"])
+    assert status == 2 and "--resume auto" in stderr
+    assert len(stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.slow
