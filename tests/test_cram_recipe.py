@@ -349,34 +349,37 @@ def test_the_launched_recipe_prints_only_the_sentence(tmp_path, recipe_env, argu
     assert not output_dir.exists()
 
 
-@pytest.mark.slow
-def test_the_recipe_trains_on_a_set_made_by_prepare_data(tmp_path, recipe_env, english_texts):
-    corpus = tmp_path / "corpus"
+@pytest.fixture(scope="module")
+def compiled_run_on_prepared_set(tmp_path_factory, recipe_env, english_texts) -> tuple[Path, Path, Path]:
+    """One compiled step on a set made by recipes/prepare_data.py, shared by the tests of either: the run's folder,
+    the set's, and the run's compile trace (torch's structured trace, TORCH_TRACE)."""
+    folder = tmp_path_factory.mktemp("compiled-on-prepared")
+    corpus = folder / "corpus"
     corpus.mkdir()
     (corpus / "docs.txt").write_text("\n\n".join(english_texts[:400]))
-    prepared = tmp_path / "prepared"
+    prepared = folder / "prepared"
     run([sys.executable, REPO / "recipes" / "prepare_data.py", corpus, "--output-dir", prepared, "--vocab-size", "2048",
          "--progress", "false"], env=recipe_env, check=True)
-    output_dir = tmp_path / "run"
-    command = [sys.executable, RECIPE, "--preset", "tiny", "--budget", "5s", "--data", prepared,
-               "--micro-batch-size", "8", "--target-batch-size", "16", "--output-dir", output_dir]
-    completed = run(command, env=recipe_env)
+    output_dir, compile_trace = folder / "run", folder / "compile-trace"
+    command = [sys.executable, RECIPE, "--preset", "tiny", "--max-steps", "1", "--data", prepared,
+               "--micro-batch-size", "8", "--target-batch-size", "16", "--compile", "true", "--output-dir", output_dir]
+    completed = run(command, env={**recipe_env, "TORCH_TRACE": str(compile_trace)})
     assert completed.returncode == 0, completed.stderr[-3000:]
+    return output_dir, prepared, compile_trace
+
+
+@pytest.mark.slow
+def test_the_recipe_trains_on_a_set_made_by_prepare_data(compiled_run_on_prepared_set):
+    output_dir, prepared, _ = compiled_run_on_prepared_set
     options = json.loads((output_dir / "final" / "cram_options.json").read_text())
     assert Path(options["resolved"]["data"]) == prepared
     assert options["resolved"]["vocab_size"] == 2048  # the prepared tokenizer's, not the preset's
     assert len(AutoTokenizer.from_pretrained(output_dir / "final")) == 2048
 
 
-@pytest.mark.launch
 @pytest.mark.slow
-def test_a_compiled_run_saves_a_plain_checkpoint(tmp_path, recipe_env):
-    output_dir = tmp_path / "run"
-    command = [sys.executable, RECIPE, "--preset", "tiny", "--max-steps", "1", "--micro-batch-size", "8",
-               "--target-batch-size", "16", "--compile", "true", "--output-dir", output_dir]
-    compile_trace = tmp_path / "compile-trace"
-    completed = run(command, env={**recipe_env, "TORCH_TRACE": str(compile_trace)})
-    assert completed.returncode == 0, completed.stderr[-3000:]
+def test_a_compiled_run_saves_a_plain_checkpoint(compiled_run_on_prepared_set):
+    output_dir, _, compile_trace = compiled_run_on_prepared_set
     summary = json.loads((output_dir / "summary.json").read_text())
     assert summary["optimizer_steps"] == 1
     # The step ran its forward and backward through inductor's code.
