@@ -63,13 +63,13 @@ class GPTNeoXForCausalLM(transformers.GPTNeoXForCausalLM):
     def __init__(self, config: transformers.GPTNeoXConfig):
         config._attn_implementation = CAUSAL_SDPA
         super().__init__(config)
-        # transformers names the output layer `lm_head` from 5.1 or so (`embed_out` in 5.0); the accessors know which.
+        # transformers' attribute for the output layer is `lm_head` or, in older 5.x releases, `embed_out`.
         self.set_output_embeddings(OutputLayer(config.hidden_size, config.vocab_size, bias=False))
 
     @classmethod
     def is_custom_code(cls) -> bool:
         """False: the modelling code is transformers' own, so its checkpoint conventions hold on saving and loading
-        (transformers 5.2x's files call the output layer `embed_out`, as the released Pythia files do)."""
+        (the files name the weights as transformers' own class does, the output layer `embed_out` as released)."""
         return False
 
     def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
