@@ -14,7 +14,16 @@ from deepspeed.runtime.zero.stage3 import model_to_params
 from cram.errors import UserError
 from cram.models.pythia_model import embedding_parameters, gpt_neox_largest_module_parameters, gpt_neox_parameters
 from cram.plan.models import build_model, model_config
-from cram.plan.peak_memory import Shape, activation_bytes, host_bytes, predicted_bytes, prune_reason, state_bytes
+from cram.plan.peak_memory import (
+    Shape,
+    activation_bytes,
+    chunked_loss_bytes,
+    host_bytes,
+    loss_bytes,
+    predicted_bytes,
+    prune_reason,
+    state_bytes,
+)
 from cram.plan.space import Candidate, candidate_space
 from cram.train import state_memory
 from cram.train.activation_checkpointing import enable_activation_checkpointing
@@ -222,3 +231,36 @@ def test_a_checkpointed_layer_keeps_its_input_in_fp32_under_autocast_as_the_mode
     one_more = dataclasses.replace(shape, layers=shape.layers + 1)
     assert activation_bytes(checkpointed, one_more, micro_batch) - activation_bytes(
         checkpointed, shape, micro_batch) == pytest.approx(per_layer)
+
+
+def saved_by_pythia_with_its_loss(vocab: int, seq_len: int = 64, micro_batch: int = 2) -> int:
+    """Bytes pythia-14m's forward pass with labels (its loss in chunks) keeps for backward, under bf16 autocast."""
+    config = model_config("pythia-14m", seq_len)
+    config.vocab_size = vocab
+    torch.manual_seed(0)
+    model = build_model(config)
+    kept: dict[int, int] = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    tokens = torch.randint(0, vocab, (micro_batch, seq_len))
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=tokens, labels=tokens)
+    return sum(kept.values())
+
+
+def test_pythias_loss_in_chunks_is_counted_as_it_keeps_no_logits():
+    # A larger vocabulary adds only the output layer's fp32 gradient to what the loss keeps: nothing per logit.
+    measured = saved_by_pythia_with_its_loss(1024) - saved_by_pythia_with_its_loss(512)
+    shapes = [Shape.of(dataclasses.replace(model_config("pythia-14m", 64), vocab_size=vocab), 64, 1, on_cpu=True,
+                       activation_bytes=2) for vocab in (512, 1024)]
+    assert all(shape.chunked_loss for shape in shapes)
+    predicted = chunked_loss_bytes(shapes[1], 2)[0] - chunked_loss_bytes(shapes[0], 2)[0]
+    assert measured == predicted == 4 * 512 * shapes[0].hidden
+    # Crammed BERT keeps Hugging Face's loss: the logits and 12 fp32 bytes a logit, on the predicted positions.
+    bert = Shape.of(model_config("crammed-bert-tiny", 128), 128, 1, on_cpu=True, activation_bytes=2)
+    assert not bert.chunked_loss
+    assert loss_bytes(bert, 2) == 2 * 128 * bert.predicted_fraction * bert.vocab * (2 + 12)

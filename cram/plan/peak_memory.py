@@ -14,7 +14,7 @@ The host limit gets the device's margin: both are models, and the host's holds n
 Activations follow Korthikanti et al. (2022): about 34 · seq · hidden bytes per layer and sequence in 16-bit
 (SDPA keeps the seq² scores out of memory), with each layer's input in fp32 (the residual stream autocast leaves
 in fp32); checkpointing keeps only each layer's fp32 input plus one layer's activations. The loss adds the logits
-and 12 fp32 bytes per logit (`activation_bytes`).
+and 12 fp32 bytes per logit, or Pythia's loss in chunks, which keeps no logits (`loss_bytes`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from transformers import GPTNeoXConfig, PretrainedConfig
 
+from cram.models.chunked_loss import LOGITS_PER_CHUNK, rows_per_chunk
 from cram.plan.models import build_model, builds_under_zero_init, layer_class_name
 from cram.plan.space import Candidate
 from cram.train.state_memory import Part, StateBytes, fsdp_state_bytes, model_state_bytes, peak_bytes
@@ -52,6 +53,7 @@ class Shape:
     matmul_parameters: int = 0  # weights of the linear layers (autocast keeps a 16-bit copy of each)
     zero_init: bool = False  # built partitioned under a ZeRO-3 launch (emit.py sets zero3_init_flag for it)
     block_parameters: int = 0  # one transformer block's parameters (what FSDP gathers at once)
+    chunked_loss: bool = False  # the loss in chunks (`cram.models.chunked_loss`, Pythia's), not per logit
 
     @classmethod
     def of(cls, config: PretrainedConfig, seq_len: int, num_devices: int, on_cpu: bool,
@@ -68,7 +70,8 @@ class Shape:
         block = max(sum(param.numel() for param in module.parameters()) for module in model.modules()
                     if type(module).__name__ == layer_class_name(config))
         return cls(parameters, config.num_hidden_layers, config.hidden_size, config.vocab_size, seq_len, fraction,
-                   num_devices, on_cpu, activation_bytes, largest, matmul, builds_under_zero_init(config), block)
+                   num_devices, on_cpu, activation_bytes, largest, matmul, builds_under_zero_init(config), block,
+                   isinstance(config, GPTNeoXConfig))
 
     @property
     def mixed_precision(self) -> bool:
@@ -154,10 +157,8 @@ def activation_bytes(candidate: Candidate, shape: Shape, micro_batch: int) -> fl
     """Activations kept for the backward pass of one micro-batch, and the loss's at its peak.
 
     Autocast leaves the residual stream in fp32 (the weights and the additions are fp32), so a layer's input, which
-    its LayerNorm keeps and which checkpointing keeps, is 4 · seq · hidden bytes, not Korthikanti's 2. The loss
-    (Hugging Face's: the logits in the compute dtype, upcast to fp32) keeps the logits and the log-softmax's fp32
-    output, and its backward adds the fp32 gradients of that output and of the logits: `LOSS_BYTES_PER_LOGIT` beside
-    the logits' own bytes."""
+    its LayerNorm keeps and which checkpointing keeps, is 4 · seq · hidden bytes, not Korthikanti's 2. The loss:
+    `loss_bytes`."""
     scale = shape.activation_bytes / 2
     layer_input = 4.0 * shape.seq_len * shape.hidden  # fp32, under autocast as in fp32
     per_layer = 34.0 * shape.seq_len * shape.hidden * scale + layer_input - 2.0 * shape.seq_len * shape.hidden * scale
@@ -165,8 +166,33 @@ def activation_bytes(candidate: Candidate, shape: Shape, micro_batch: int) -> fl
         layers = shape.layers * layer_input + per_layer
     else:
         layers = shape.layers * per_layer
-    logits = (shape.activation_bytes + LOSS_BYTES_PER_LOGIT) * shape.seq_len * shape.predicted_fraction * shape.vocab
-    return micro_batch * (layers + logits)
+    return micro_batch * layers + loss_bytes(shape, micro_batch)
+
+
+def loss_bytes(shape: Shape, micro_batch: int) -> float:
+    """The loss's bytes at its peak for one micro-batch.
+
+    Pythia's loss in chunks (`cram.models.chunked_loss`) computes its gradients in the forward pass and keeps them:
+    the hidden states' in the compute dtype (twice while the chunks' are concatenated) and the output layer's in
+    fp32, beside the weight cast to the compute dtype; a chunk's logits (at most `LOGITS_PER_CHUNK`, plus a row)
+    live only inside the forward pass: in the compute dtype, their fp32 log-softmax, its fp32 gradient and that
+    cast back. Crammed BERT's loss (Hugging Face's: the logits in the compute dtype, upcast to fp32) keeps the
+    logits and the log-softmax's fp32 output, and its backward adds the fp32 gradients of that output and of the
+    logits: `LOSS_BYTES_PER_LOGIT` beside the logits' own bytes, on the predicted positions."""
+    if not shape.chunked_loss:
+        logits = micro_batch * shape.seq_len * shape.predicted_fraction * shape.vocab
+        return (shape.activation_bytes + LOSS_BYTES_PER_LOGIT) * logits
+    return sum(chunked_loss_bytes(shape, micro_batch))
+
+
+def chunked_loss_bytes(shape: Shape, micro_batch: int) -> tuple[float, float]:
+    """(kept for backward, alive at once besides within the forward pass) bytes of Pythia's loss in chunks."""
+    element = shape.activation_bytes
+    rows = micro_batch * shape.seq_len
+    chunk = rows_per_chunk(rows, shape.vocab, LOGITS_PER_CHUNK) * shape.vocab
+    kept = element * rows * shape.hidden + 4.0 * shape.vocab * shape.hidden
+    within_forward = element * rows * shape.hidden + element * shape.vocab * shape.hidden + (2 * element + 8.0) * chunk
+    return kept, within_forward
 
 
 def predicted_bytes(candidate: Candidate, shape: Shape, micro_batch: int) -> float:
@@ -175,8 +201,16 @@ def predicted_bytes(candidate: Candidate, shape: Shape, micro_batch: int) -> flo
 
 def predicted_largest_micro_batch(candidate: Candidate, shape: Shape, limit_bytes: float) -> int:
     """The largest micro-batch the model predicts to fit (0 if not even one sequence)."""
-    per_sequence = activation_bytes(candidate, shape, 1)
-    return max(0, int((limit_bytes - state_bytes(candidate, shape)) // per_sequence))
+    state = state_bytes(candidate, shape)
+    largest = 0
+    while state + activation_bytes(candidate, shape, 2 * largest or 1) <= limit_bytes and largest < 1 << 20:
+        largest = 2 * largest or 1
+    step = largest // 2
+    while step:  # bisect between the last power of two that fits and the next
+        if state + activation_bytes(candidate, shape, largest + step) <= limit_bytes:
+            largest += step
+        step //= 2
+    return largest
 
 
 def prune_reason(candidate: Candidate, shape: Shape, limit_bytes: float,
