@@ -19,7 +19,7 @@ from cram.models.pythia_recipe import pythia_recipe
 from cram.train.accelerator import build_accelerator
 from cram.train.budget import StepClock
 from cram.train.loop import train
-from cram.train.loss_scaling import HysteresisGradScaler, hysteresis_scaler_like
+from cram.train.loss_scaling import HysteresisGradScaler, hysteresis_scaler_like, record_overflows
 from cram.train.state import TrainState
 
 
@@ -180,7 +180,20 @@ def test_the_scale_never_falls_below_the_minimum_and_an_overflow_there_ends_the_
         drive_scaler(scaler, {0}, range(1))
 
 
-def test_a_skipped_step_counts_as_a_step_but_does_not_advance_the_lr_schedule(tmp_path):
+def accelerators_scaler() -> torch.amp.GradScaler:
+    """What build_accelerator leaves in an fp16 Accelerator outside DeepSpeed: Accelerate's GradScaler, its rules
+    unchanged, in the kind that records overflows."""
+    accelerator = SimpleNamespace(scaler=torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=1000))
+    record_overflows(accelerator)
+    assert (accelerator.scaler.get_scale(), accelerator.scaler.get_growth_interval()) == (2.0**16, 1000)
+    return accelerator.scaler
+
+
+# Fused AdamW takes the scaler's inf check into its kernel and skips there: the optimizer's step is still called, so
+# Accelerate's `optimizer_step_was_skipped` stays False and only the loss scaler knows of the overflow.
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "fused-adamw"])
+@pytest.mark.parametrize("scaler", [pythia_scaler, accelerators_scaler], ids=["pythia-scaler", "torch-scaler"])
+def test_a_skipped_step_counts_as_a_step_but_does_not_advance_the_lr_schedule(tmp_path, fused, scaler):
     """The loop on the real Accelerate path: the GradScaler in the accelerator (on a GPU, Accelerate builds it for
     fp16 and recipes/pythia.py replaces it; the CPU has no fp16 autocast, so the test puts it there), its optimizer
     step skipped on an overflow and Accelerate reporting it. The learning rates must be GPT-NeoX's: AnnealingLR stepped
@@ -189,10 +202,10 @@ def test_a_skipped_step_counts_as_a_step_but_does_not_advance_the_lr_schedule(tm
     recipe = pythia_recipe("pythia-14m")
     schedule, stop_at, overflows = 40, 12, {2, 5, 6}
     accelerator = build_accelerator("fp32", "false", None, str(tmp_path))
-    accelerator.scaler = pythia_scaler()
+    accelerator.scaler = scaler()
     torch.manual_seed(0)
     model = Probe()
-    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), fused=fused))
     state = TrainState()
     batches = iter(probe_batch(step, step in overflows) for step in range(stop_at))
     finished = train(model, optimizer, batches, accelerator, StepClock(schedule, stop_at=stop_at), state,

@@ -18,6 +18,7 @@ from accelerate.utils import InitProcessGroupKwargs, TorchDynamoPlugin, parse_fl
 from cram.errors import UserError
 from cram.train.compilation import resolve_compile
 from cram.train.deepspeed_setup import prepare_deepspeed_on_the_cpu
+from cram.train.loss_scaling import record_overflows
 from cram.train.precision import resolve_precision
 from cram.versions import check_installed_versions
 
@@ -89,7 +90,7 @@ def build_accelerator(
         prepare_deepspeed_on_the_cpu()
     compiled = resolve_compile(compile_choice, device_type)
     forget_earlier_accelerator()
-    return Accelerator(
+    accelerator = Accelerator(
         cpu=device_type == "cpu" and not deepspeed,
         mixed_precision=resolve_precision(precision, device_type),
         log_with=log_with,
@@ -97,6 +98,8 @@ def build_accelerator(
         kwargs_handlers=[InitProcessGroupKwargs(**group)],
         dynamo_plugin=TorchDynamoPlugin(backend="inductor" if compiled else "no"),
     )
+    record_overflows(accelerator)  # so the loop sees the steps a fused optimizer skips in fp16
+    return accelerator
 
 
 def forget_earlier_accelerator() -> None:

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from cram.train.agreement import Agreement
 from cram.train.budget import MicroBatchPace, WallClock
+from cram.train.loss_scaling import step_was_skipped
 from cram.train.preemption import Preemption
 from cram.train.ramp import Pace, micro_batches_that_fit
 from cram.train.state import TrainState
@@ -124,7 +125,7 @@ def train(
         pace.record(clock.now() - step_started, accumulation)
         sequences *= accelerator.num_processes
         state.optimizer_steps += 1  # on a skipped step too: GPT-NeoX's `iteration` counts it (megatron/training.py)
-        if accelerator.optimizer_step_was_skipped:  # an fp16 overflow: DeepSpeed's or the GradScaler's
+        if step_was_skipped(accelerator):  # an fp16 overflow: DeepSpeed's or the GradScaler's
             state.skipped_steps += 1
         state.sequences += sequences
         state.tokens += sequences * seq_len

@@ -32,7 +32,54 @@ def fp16_loss_scaling(
     return replaced
 
 
-class HysteresisLossScaling:
+class OverflowRecording:
+    """A GradScaler that remembers whether its last update found an overflow, which skipped that step.
+
+    Accelerate reports a skipped step only when the optimizer's own `step` was not called. A fused optimizer takes
+    the scaler's inf check into its kernel and skips there: its `step` is called, Accelerate's
+    `optimizer_step_was_skipped` stays False, and only the scaler knows (`step_was_skipped` asks both)."""
+
+    last_update_overflowed = False
+
+    def found_infs(self) -> list[torch.Tensor]:
+        """This step's inf checks, one per optimizer and device (cleared by `update`)."""
+        return [found_inf for state in self._per_optimizer_states.values()
+                for found_inf in state["found_inf_per_device"].values()]
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        if self.is_enabled() and new_scale is None:
+            self.last_update_overflowed = any(found_inf.item() for found_inf in self.found_infs())
+        super().update(new_scale)
+
+
+class RecordingGradScaler(OverflowRecording, torch.amp.GradScaler):
+    """torch's GradScaler, its rules unchanged, that records its overflows."""
+
+
+def record_overflows(accelerator: Accelerator) -> None:
+    """Give Accelerate's fp16 GradScaler, where it built one, the same settings in a kind that records overflows."""
+    built = accelerator.scaler
+    if built is None or isinstance(built, OverflowRecording):
+        return
+    settings = {"init_scale": built._init_scale, "growth_factor": built._growth_factor,
+                "backoff_factor": built._backoff_factor, "growth_interval": built._growth_interval,
+                "enabled": built.is_enabled()}
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    if isinstance(built, ShardedGradScaler):
+        sharded = type("RecordingShardedGradScaler", (OverflowRecording, ShardedGradScaler), {})
+        accelerator.scaler = sharded(device=built._device, process_group=built.process_group, **settings)
+    else:
+        accelerator.scaler = RecordingGradScaler(built._device, **settings)
+
+
+def step_was_skipped(accelerator: Accelerator) -> bool:
+    """Whether an fp16 overflow skipped the optimizer step just taken: DeepSpeed's engine or Accelerate say so, or
+    the loss scaler recorded it (a fused optimizer skips inside its kernel, unseen by Accelerate)."""
+    return accelerator.optimizer_step_was_skipped or getattr(accelerator.scaler, "last_update_overflowed", False)
+
+
+class HysteresisLossScaling(OverflowRecording):
     """DeepSpeed's dynamic loss scaling on a torch GradScaler, as GPT-NeoX v1.0 trained Pythia in fp16.
 
     The rules of `DynamicLossScaler.update_scale` (deepspeed/runtime/fp16/loss_scaler.py in DeeperSpeed eb7f5cff,
@@ -56,12 +103,12 @@ class HysteresisLossScaling:
         if not self.is_enabled() or new_scale is not None:
             super().update(new_scale)
             return
-        found = [found_inf for state in self._per_optimizer_states.values()
-                 for found_inf in state["found_inf_per_device"].values()]
+        found = self.found_infs()
         if not found:
             super().update()  # torch's own refusal: no inf checks were recorded before update
         scale = self.get_scale()
-        if any(found_inf.item() for found_inf in found):
+        self.last_update_overflowed = any(found_inf.item() for found_inf in found)
+        if self.last_update_overflowed:
             if self.hysteresis == 1 or self.hysteresis_left == 1:
                 if scale == self.min_scale:
                     raise UserError(
