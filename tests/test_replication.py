@@ -4,6 +4,9 @@ FSDP training states merged by Accelerate's own tool, the bounds and the verdict
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from safetensors.torch import save_file
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from cram.errors import UserError
+from cram.eval import replication
 from cram.eval.replication import (
     DEFAULT_MARGIN,
     DEFAULT_TOLERANCE,
@@ -134,3 +138,57 @@ def test_scoring_runs_in_the_recipes_precision_on_a_gpu_and_fp32_on_the_cpu():
     assert scoring_dtype("auto", torch.device("cuda"), "bf16") == torch.bfloat16
     assert scoring_dtype("auto", torch.device("cpu"), "fp16") == torch.float32
     assert scoring_dtype("bf16", torch.device("cpu"), "fp16") == torch.bfloat16
+
+
+def fake_run(folder, model: GPTNeoXForCausalLM, steps: int = 4, **resolved) -> str:
+    """A folder laid out as a Pythia run that finished after `steps` steps: its final model, options and summary."""
+    model.save_pretrained(folder / "final")
+    facts = {"seq_len": 32, "global_batch_size": 8, "max_steps": steps, "vocab_size": model.config.vocab_size,
+             **resolved}
+    options = {"resolved": facts, "training": {"size": "pythia-14m", "data": "pile/document", "tokenizer": None}}
+    (folder / "final" / "cram_options.json").write_text(json.dumps(options))
+    (folder / "summary.json").write_text(json.dumps({"optimizer_steps": steps}))
+    return str(folder)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"vocab_size": 80}, "has a vocabulary of 80 tokens and our run 64"),
+    ({"global_batch_size": 16}, "our run's global batch is 8 and the reference"),
+    ({"max_steps": 6}, "schedule"),
+    ({"seq_len": 16}, "sequence length is 32"),
+])
+def test_a_reference_of_another_recipe_or_vocabulary_is_refused_before_any_scoring(tmp_path, tiny_model, change,
+                                                                                   message):
+    ours = fake_run(tmp_path / "ours", tiny_model)
+    other = copy.deepcopy(tiny_model)
+    if "vocab_size" in change:
+        other.resize_token_embeddings(change["vocab_size"])
+    theirs = fake_run(tmp_path / "theirs", other, **{key: value for key, value in change.items()
+                                                     if key != "max_steps"})
+    if "max_steps" in change:  # the same step kept, of a longer schedule
+        options = json.loads((tmp_path / "theirs" / "final" / "cram_options.json").read_text())
+        options["resolved"]["max_steps"] = change["max_steps"]
+        (tmp_path / "theirs" / "final" / "cram_options.json").write_text(json.dumps(options))
+    with pytest.raises(UserError, match=f"cannot compare: .*{message}"):
+        replication.main([ours, "--reference", theirs, "--data", "unread", "--output", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("option, message", [(["--sequences", "-5"], "--sequences -5 scores nothing"),
+                                             (["--micro-batch-size", "0"], "--micro-batch-size 0")])
+def test_a_count_that_scores_nothing_is_refused(tmp_path, tiny_model, option, message):
+    ours = fake_run(tmp_path / "ours", tiny_model)
+    with pytest.raises(UserError, match=message):
+        replication.main([ours, "--reference", ours, "--data", "unread", *option])
+
+
+def test_references_are_scored_with_the_activation_they_trained_with(tmp_path, tiny_model, monkeypatch):
+    # The released config.json files say "gelu"; the references must run gelu_fast (bias_gelu), ours as it was built.
+    ours = fake_run(tmp_path / "ours", tiny_model)
+    theirs = fake_run(tmp_path / "theirs", tiny_model)
+    scored = []
+    monkeypatch.setattr(replication, "load_causal_data", lambda *args: SimpleNamespace(sequences=None))
+    monkeypatch.setattr(replication, "batch_loss", lambda model, *args: scored.append(model.config.hidden_act) or 1.0)
+    result = replication.compare(replication.read_run(Path(ours)), [Revisions(theirs)], [4], "unread", None, None)
+    assert scored == ["gelu", "gelu_fast"]  # ours as saved, then the reference
+    assert result["reference_activation"] == "gelu_fast"

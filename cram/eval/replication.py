@@ -15,8 +15,10 @@ models of the run's size: for pythia-14m … 410m, the original (seed 1234) and 
 
 The verdict: with several references, the run passes a step where its loss lies within the references' losses there
 (min … max) widened by --margin on each side; with one, within --tolerance of it. The command exits with status 1,
-naming the first step out of bounds, where it does not pass. Written to OUTPUT (default RUN_DIR/replication): the
-table (replication.md), the figures (replication.json) and a PNG of the losses against the step.
+naming the first step out of bounds, where it does not pass; with status 2 and one sentence where the run and a
+reference cannot be compared (another vocabulary; another run's sequence length, batch, schedule or data; for the
+released models, Pythia's own) or the input is bad; any other failure exits 3. Written to OUTPUT (default
+RUN_DIR/replication): the table (replication.md), the figures (replication.json) and a PNG of the losses by step.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +44,10 @@ OPTIONS_FILE = "cram_options.json"
 # The released seeds (EleutherAI/pythia README, "Multiple random seeds"; PolyPythias, van der Wal et al., ICLR 2025):
 # pythia-SIZE is seed 1234, pythia-SIZE-seed1 … seed9 the others, for these sizes; the larger ones have one seed.
 SEEDED_SIZES = ("pythia-14m", "pythia-31m", "pythia-70m", "pythia-160m", "pythia-410m")
+# The activation the released models trained with: every pythia-*.yml sets "bias-gelu-fusion": true, GPT-NeoX v1.0's
+# tanh `bias_gelu` (megatron/model/activations.py), which is transformers' gelu_fast, while their config.json files
+# say "gelu" (cram.models.pythia_model builds our models with it too).
+REFERENCE_ACTIVATION = "gelu_fast"
 DEFAULT_MARGIN = 0.05  # nats either side of the references' min … max
 DEFAULT_TOLERANCE = 0.1  # nats either side of a single reference
 CPU = torch.device("cpu")
@@ -113,6 +120,43 @@ def choose_steps(ours: Revisions, references: list[Revisions], asked: list[int] 
     return shared, [step for step in our_steps if step not in shared]
 
 
+def check_comparable(run: RunFacts, locations: list[str], references: list[Revisions], step: int,
+                     released: set[str]) -> None:
+    """Refuse, in one sentence naming the difference, references our run cannot be compared with: another
+    vocabulary, or (for a reference that is another run of the recipe) another sequence length, global batch,
+    schedule or data; the released models trained Pythia's own schedule, batch and sequence length."""
+    from cram.models.pythia_recipe import GLOBAL_BATCH, SEQUENCE_LENGTH, TRAIN_STEPS
+
+    ours = (("sequence length", run.seq_len), ("global batch", run.global_batch_size), ("schedule (steps)",
+            run.max_steps), ("data", run.data))
+    for location, reference in zip(locations, references, strict=True):
+        vocab_size = reference.config(step).vocab_size
+        if vocab_size != run.vocab_size:
+            raise UserError(f"cannot compare: the reference {location} has a vocabulary of {vocab_size} tokens and "
+                            f"our run {run.vocab_size}: compare runs of one tokenizer and vocabulary.")
+        if location in released:
+            theirs = {"sequence length": SEQUENCE_LENGTH, "global batch": GLOBAL_BATCH,
+                      "schedule (steps)": TRAIN_STEPS}
+        elif Path(location).is_dir() and _is_run(Path(location)):
+            other = read_run(Path(location))
+            theirs = dict(zip([name for name, _ in ours], (other.seq_len, other.global_batch_size, other.max_steps,
+                                                           other.data), strict=True))
+        else:
+            continue
+        for name, value in ours:
+            if name in theirs and theirs[name] != value:
+                raise UserError(f"cannot compare: our run's {name} is {value} and the reference {location}'s "
+                                f"{theirs[name]}: compare runs of one recipe.")
+
+
+def _is_run(folder: Path) -> bool:
+    try:
+        read_run(folder)
+    except UserError:
+        return False
+    return True
+
+
 def scoring_dtype(precision: str, device: torch.device, recipe_precision: str) -> torch.dtype:
     """The arithmetic's dtype: `auto` is the recipe's precision on a GPU and fp32 on the CPU."""
     if precision == "auto":
@@ -174,7 +218,7 @@ def compare(
                "references": []}
         reference_models = []
         for reference in references:
-            model = reference.load(step)
+            model = reference.load(step, hidden_act=REFERENCE_ACTIVATION)
             row["references"].append(batch_loss(model, source.sequences, serials, micro_batch_size, device, dtype))
             if step == 0 and not reference_models:
                 reference_models.append(model)
@@ -188,6 +232,7 @@ def compare(
     failed = next((row for row in rows if not row["passed"]), None)
     result = {"run": str(run.folder), "references": [reference.location for reference in references], "data": data,
               "precision": str(dtype).removeprefix("torch."), "device": str(device),
+              "reference_activation": REFERENCE_ACTIVATION,
               "bounds": (f"the references' min … max ± {margin:g}" if len(references) > 1
                          else f"the reference ± {tolerance:g}"),
               "rows": rows, "passed": failed is None, "first_failed_step": None if failed is None else failed["step"]}
@@ -215,7 +260,8 @@ def write_report(result: dict, output: Path) -> None:
     output.mkdir(parents=True, exist_ok=True)
     several = len(result["references"]) > 1
     lines = [f"# Replication: {result['run']}", "",
-             f"References: {', '.join(result['references'])}; scored in {result['precision']} on {result['device']}.",
+             f"References: {', '.join(result['references'])}; scored in {result['precision']} on {result['device']}, "
+             f"the references with the activation they trained with ({result['reference_activation']}).",
              "", "| step | sequences | ours | references | bounds | verdict |", "|---|---|---|---|---|---|"]
     for row in result["rows"]:
         references = (f"{min(row['references']):.4f} … {max(row['references']):.4f}" if several
@@ -314,12 +360,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.margin < 0 or args.tolerance < 0:
         raise UserError("--margin and --tolerance cannot be negative: give the nats allowed, e.g. 0.05.")
+    if args.sequences is not None and args.sequences < 1:
+        raise UserError(f"--sequences {args.sequences} scores nothing: give 1 or more, or leave it unset for the whole "
+                        "batch.")
+    if args.micro_batch_size < 1:
+        raise UserError(f"--micro-batch-size {args.micro_batch_size}: give 1 or more sequences per forward pass.")
     run = read_run(Path(args.run_dir))
     device = resolve_device(args.device)
     locations = [name for location in args.reference
                  for name in (released_references(run.size) if location == "released" else [location])]
     references = [Revisions(location) for location in locations]
     steps, skipped = choose_steps(Revisions(args.run_dir), references, parse_steps(args.steps))
+    released = set(released_references(run.size)) if "released" in args.reference else set()
+    check_comparable(run, locations, references, steps[0], released)
     result = compare(run, references, steps, args.data, args.tokenizer, args.sequences, margin=args.margin,
                      tolerance=args.tolerance, device=device,
                      dtype=scoring_dtype(args.precision, device, run.precision),
@@ -332,4 +385,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    run_cli(lambda: sys.exit(main()))
+    try:
+        run_cli(lambda: sys.exit(main()))
+    except Exception:  # noqa: BLE001 - an unforeseen failure must not exit 1, which means FAIL
+        traceback.print_exc()
+        sys.exit(3)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, GPTNeoXForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GPTNeoXForCausalLM, PretrainedConfig, PreTrainedModel
 
 from cram.errors import UserError
 
@@ -109,14 +109,23 @@ class Revisions:
         raise UserError(f"{self.location} has training states but no exported model to read its configuration from: "
                         "let the run save a revision (--revision-steps) or finish.")
 
-    def load(self, step: int) -> PreTrainedModel:
-        """The model at `step`, its weights in the precision they were saved in (dtype="auto")."""
+    def config(self, step: int, **overrides) -> PretrainedConfig:
+        """The configuration of the model at `step`, with `overrides` set."""
         kind, path = self.found()[step]
         if kind == "hub":
-            return AutoModelForCausalLM.from_pretrained(self.location, revision=f"step{step}", dtype="auto")
+            return AutoConfig.from_pretrained(self.location, revision=f"step{step}", **overrides)
+        return AutoConfig.from_pretrained(path if kind == "revision" else self.config_folder(), **overrides)
+
+    def load(self, step: int, **overrides) -> PreTrainedModel:
+        """The model at `step`, its weights in the precision they were saved in (dtype="auto"); `overrides` set in
+        its configuration (the activation a reference trained with, say)."""
+        kind, path = self.found()[step]
+        if kind == "hub":
+            return AutoModelForCausalLM.from_pretrained(self.location, revision=f"step{step}", dtype="auto",
+                                                        **overrides)
         if kind == "revision":
-            return AutoModelForCausalLM.from_pretrained(path, dtype="auto")
-        model = GPTNeoXForCausalLM(AutoConfig.from_pretrained(self.config_folder()))
+            return AutoModelForCausalLM.from_pretrained(path, dtype="auto", **overrides)
+        model = GPTNeoXForCausalLM(self.config(step, **overrides))
         weights = read_training_state(path)
         model.load_state_dict({name: tensor for name, tensor in weights.items() if name in model.state_dict()})
         return model
