@@ -48,12 +48,14 @@ for name in COLLECTIVES:  # as the loop and Accelerate call them: through the `t
     setattr(torch.distributed, name, counted(getattr(torch.distributed, name)))
 
 
-def micro_batches(vocab_size: int, seq_len: int):
+def micro_batches(vocab_size: int, seq_len: int, masked_per_sequence: int):
+    """Micro-batches of 2 sequences, each with the count of masked positions the model's sparse prediction takes."""
     generator = torch.Generator().manual_seed(torch.distributed.get_rank())
     while True:
         events.append("micro_batches")
         input_ids = torch.randint(5, vocab_size, (2, seq_len), generator=generator)
-        labels = torch.where(torch.rand(2, seq_len, generator=generator) < 0.25, input_ids, -100)
+        masked = torch.rand(2, seq_len, generator=generator).argsort(dim=1)[:, :masked_per_sequence]
+        labels = torch.full_like(input_ids, -100).scatter(1, masked, input_ids.gather(1, masked))
         yield {"input_ids": input_ids, "labels": labels}
 
 
@@ -84,7 +86,8 @@ def main(folder: Path) -> None:
 
     optimizer.step = step
     events.clear()
-    train(model, optimizer, micro_batches(config.vocab_size, 16), accelerator, StepClock(STEPS), TrainState(),
+    batches = micro_batches(config.vocab_size, 16, round(config.sparse_prediction * 16))
+    train(model, optimizer, batches, accelerator, StepClock(STEPS), TrainState(),
           peak_lr=1e-3, lr_shape=lambda progress: 1.0, accumulation_at=lambda pace: ACCUMULATION,
           max_grad_norm=0.5, log_every=1, show_progress=False, preemption=Preemption())
     record = folder / f"rank-{accelerator.process_index}.json"

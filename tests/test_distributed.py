@@ -35,6 +35,7 @@ from launching import (
     accelerate_launch,
     generated_code_per_process,
     run,
+    run_recipe_in_process,
     started,
     wait_until,
 )
@@ -144,13 +145,17 @@ def test_the_single_process_reference_holds_its_whole_32_bit_adamw_state(single_
     assert 8 * summary["parameters"] <= summary["optimizer_state_bytes_held_by_rank0"] < 8.01 * summary["parameters"]
 
 
-def test_more_processes_than_cpu_cores_is_refused_before_any_step(tmp_path, recipe_env):
+def test_more_processes_than_cpu_cores_is_refused_before_any_step(tmp_path, monkeypatch, capsys):
+    # In this process, as one of the launch's processes sees it (LOCAL_WORLD_SIZE, set by the launcher): the refusal
+    # comes before the process group, so no launch is needed; a launched refusal printed by rank 0 alone is
+    # test_resume.py's (another launch layout) and the DeepSpeed one below.
     too_many = (os.cpu_count() or 1) + 1
-    config = REPO / "accel_configs" / "cpu-ddp.yaml"
-    completed = launch(config, tmp_path / "run", recipe_env, "--num_processes", str(too_many))
-    assert completed.returncode != 0
-    errors = [line for line in completed.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and f"starts {too_many} processes" in errors[0] and "num_processes" in errors[0]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(too_many))
+    status, stderr = run_recipe_in_process(monkeypatch, capsys, RECIPE, [*RUN, "--micro-batch-size", "8",
+                                                                         "--output-dir", tmp_path / "run"])
+    assert status == 2 and len(stderr.strip().splitlines()) == 1
+    assert stderr.startswith("error: the launch starts") and f"starts {too_many} processes" in stderr
+    assert "num_processes" in stderr
     assert not (tmp_path / "run").exists()
 
 
