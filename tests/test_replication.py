@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from deepspeed_states import STATES as DEEPSPEED_STATES
 from safetensors.torch import save_file
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
@@ -192,3 +193,31 @@ def test_references_are_scored_with_the_activation_they_trained_with(tmp_path, t
     result = replication.compare(replication.read_run(Path(ours)), [Revisions(theirs)], [4], "unread", None, None)
     assert scored == ["gelu", "gelu_fast"]  # ours as saved, then the reference
     assert result["reference_activation"] == "gelu_fast"
+
+
+@pytest.fixture(scope="module")
+def deepspeed_states(tmp_path_factory) -> Path:
+    """Every DeepSpeed state tests/deepspeed_states.py writes, from one process of its own (DeepSpeed's process group
+    must not live in the test's)."""
+    import subprocess
+    import sys
+
+    folder = tmp_path_factory.mktemp("deepspeed-states")
+    script = Path(__file__).with_name("deepspeed_states.py")
+    done = subprocess.run([sys.executable, str(script), str(folder)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return folder
+
+
+@pytest.mark.parametrize("name", [name for name, _, _ in DEEPSPEED_STATES])
+def test_every_deepspeed_state_is_read_as_the_engine_held_it(deepspeed_states, name):
+    """bf16 at ZeRO-1 (DeepSpeed's BF16_Optimizer, whose states zero_to_fp32 calls "not a zero checkpoint"), bf16 at
+    ZeRO-2 and 3, fp32 at ZeRO-1 and 2: the fp32 master weights read back, in the engine's precision, are the
+    engine's weights after its step."""
+    expected = torch.load(deepspeed_states / name / "expected.pt", weights_only=False)
+    if name == "zero1-bf16":
+        assert expected["optimizer"] == "BF16_Optimizer"
+    weights = read_training_state(deepspeed_states / name)
+    for parameter, tensor in expected["weights"].items():
+        assert weights[parameter].dtype == torch.float32, parameter
+        assert torch.equal(weights[parameter].to(tensor.dtype), tensor), parameter

@@ -1,6 +1,7 @@
 """A run's models by step, wherever it kept them: its revisions (OUTPUT_DIR/revisions/stepN), its training states
-(Accelerate's model.safetensors, DeepSpeed's ZeRO shards consolidated with DeepSpeed's zero_to_fp32, FSDP's sharded
-or full states merged with Accelerate's merge_fsdp_weights), its final model, or a Hub repository's stepN revisions."""
+(Accelerate's model.safetensors, DeepSpeed's ZeRO and BF16_Optimizer shards consolidated with zero_to_fp32's
+merges, FSDP's sharded or full states merged with Accelerate's merge_fsdp_weights), its final model, or a Hub
+repository's stepN revisions."""
 
 from __future__ import annotations
 
@@ -37,15 +38,43 @@ def training_state_weights(state: Path) -> str | None:
     return None
 
 
+def deepspeed_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The fp32 master weights of a DeepSpeed checkpoint: ZeRO's states through DeepSpeed's zero_to_fp32, and those
+    BF16_Optimizer writes (bf16 with fp32 gradient accumulation at ZeRO-1, as the recipe configures it), which
+    zero_to_fp32 refuses as they keep no ZERO_STAGE. Each process holds one partition of each group's flat fp32
+    copy (runtime/bf16_optimizer.py: state_dict's SINGLE_PARTITION_OF_FP32_GROUPS), the parameters laid end to end
+    and the group padded to 2 x processes: ZeRO-2's layout, so zero_to_fp32's own ZeRO-2 merge unflattens it."""
+    from deepspeed.checkpoint.constants import (
+        OPTIMIZER_STATE_DICT,
+        PARTITION_COUNT,
+        SINGLE_PARTITION_OF_FP32_GROUPS,
+        ZERO_STAGE,
+    )
+    from deepspeed.utils import zero_to_fp32
+
+    optimizer_states = [torch.load(file, map_location="cpu", mmap=True, weights_only=False)[OPTIMIZER_STATE_DICT]
+                        for file in zero_to_fp32.get_optim_files(str(folder))]
+    if ZERO_STAGE in optimizer_states[0]:
+        del optimizer_states
+        return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
+    model_states = zero_to_fp32.parse_model_states(zero_to_fp32.get_model_state_files(str(folder)))
+    processes = optimizer_states[0][PARTITION_COUNT]
+    processes = max(processes) if isinstance(processes, list) else processes
+    if processes != len(optimizer_states):
+        raise UserError(f"{folder} holds {len(optimizer_states)} of the {processes} processes' optimizer states: "
+                        "read a training state that every process finished saving.")
+    partitions = [states[SINGLE_PARTITION_OF_FP32_GROUPS] for states in optimizer_states]
+    return dict(zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(
+        processes, partitions, model_states, exclude_frozen_parameters=False))
+
+
 def read_training_state(state: Path) -> dict[str, torch.Tensor]:
     """The full model weights in a training state, consolidated by the sharding library's own tool."""
     kind = training_state_weights(state)
     if kind == "accelerate":
         return load_file(state / "model.safetensors")
     if kind == "deepspeed":
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        return get_fp32_state_dict_from_zero_checkpoint(str(state), tag="pytorch_model")
+        return deepspeed_weights(state / "pytorch_model")
     if kind == "fsdp-sharded":
         from accelerate.utils import merge_fsdp_weights
 
