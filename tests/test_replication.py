@@ -1,13 +1,16 @@
-"""The replication check's parts without a launch: which steps a run keeps as revisions and what they take on disk,
-FSDP training states merged by Accelerate's own tool, the bounds and the verdict, the released seeds' names."""
+"""The replication check's parts (one small process writes DeepSpeed's states; the rest in process): which steps a
+run keeps as revisions and what they take on disk, training states read whole (DeepSpeed's and FSDP's, merged by
+their own tools), the bounds and the verdict, the released seeds' names."""
 
 from __future__ import annotations
 
 import copy
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import launching
 import pytest
 import torch
 from deepspeed_states import STATES as DEEPSPEED_STATES
@@ -199,16 +202,12 @@ def test_references_are_scored_with_the_activation_they_trained_with(tmp_path, t
 def deepspeed_states(tmp_path_factory) -> Path:
     """Every DeepSpeed state tests/deepspeed_states.py writes, from one process of its own (DeepSpeed's process group
     must not live in the test's)."""
-    import subprocess
-    import sys
-
     folder = tmp_path_factory.mktemp("deepspeed-states")
-    script = Path(__file__).with_name("deepspeed_states.py")
-    done = subprocess.run([sys.executable, str(script), str(folder)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    launching.run([sys.executable, str(Path(__file__).with_name("deepspeed_states.py")), str(folder)], check=True)
     return folder
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("name", [name for name, _, _ in DEEPSPEED_STATES])
 def test_every_deepspeed_state_is_read_as_the_engine_held_it(deepspeed_states, name):
     """bf16 at ZeRO-1 (DeepSpeed's BF16_Optimizer, whose states zero_to_fp32 calls "not a zero checkpoint"), bf16 at
