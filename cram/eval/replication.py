@@ -24,12 +24,9 @@ RUN_DIR/replication): the table (replication.md), the figures (replication.json)
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import traceback
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,13 +34,11 @@ from transformers import PreTrainedModel
 
 from cram.data.causal import causal_lm_batch, load_causal_data
 from cram.errors import UserError, run_cli
-from cram.eval.run_models import REVISIONS_FOLDER, Revisions
+from cram.eval.replication_report import write_report
+from cram.eval.replication_runs import RunFacts, check_comparable, choose_steps, read_run, released_references
+from cram.eval.run_models import Revisions
 from cram.models.pythia_model import weight_type
 
-OPTIONS_FILE = "cram_options.json"
-# The released seeds (EleutherAI/pythia README, "Multiple random seeds"; PolyPythias, van der Wal et al., ICLR 2025):
-# pythia-SIZE is seed 1234, pythia-SIZE-seed1 … seed9 the others, for these sizes; the larger ones have one seed.
-SEEDED_SIZES = ("pythia-14m", "pythia-31m", "pythia-70m", "pythia-160m", "pythia-410m")
 # The activation the released models trained with: every pythia-*.yml sets "bias-gelu-fusion": true, GPT-NeoX v1.0's
 # tanh `bias_gelu` (megatron/model/activations.py), which is transformers' gelu_fast, while their config.json files
 # say "gelu" (cram.models.pythia_model builds our models with it too).
@@ -52,109 +47,6 @@ DEFAULT_MARGIN = 0.05  # nats either side of the references' min … max
 DEFAULT_TOLERANCE = 0.1  # nats either side of a single reference
 CPU = torch.device("cpu")
 PRECISION_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def released_references(size: str) -> list[str]:
-    """The Hub names of the released models of `size` (pythia-160m: the original and its nine other seeds)."""
-    names = [f"EleutherAI/{size}"]
-    if size in SEEDED_SIZES:
-        names += [f"EleutherAI/{size}-seed{seed}" for seed in range(1, 10)]
-    return names
-
-
-@dataclass(frozen=True)
-class RunFacts:
-    """What the check needs to know of our run: its folder, size, shape of batch, data and precision."""
-
-    folder: Path
-    size: str
-    seq_len: int
-    global_batch_size: int
-    max_steps: int
-    vocab_size: int
-    data: str
-    tokenizer: str | None
-    precision: str  # the released precision of the size (fp16; bf16 for pythia-1b)
-
-
-def read_run(run_dir: Path) -> RunFacts:
-    """The facts of a run, from its final model's options or, for a run still training, its newest revision's."""
-    candidates = [run_dir / "final" / OPTIONS_FILE]
-    revisions = run_dir / REVISIONS_FOLDER
-    if revisions.is_dir():
-        steps = sorted((int(child.name[4:]), child) for child in revisions.iterdir()
-                       if child.name.startswith("step") and child.name[4:].isdigit())
-        candidates += [child / OPTIONS_FILE for _, child in reversed(steps)]
-    options_path = next((path for path in candidates if path.is_file()), None)
-    if options_path is None:
-        raise UserError(f"{run_dir} holds no Pythia run (no final/{OPTIONS_FILE} nor revisions/stepN/{OPTIONS_FILE}): "
-                        "give the --output-dir of a run of recipes/pythia.py.")
-    options = json.loads(options_path.read_text())
-    resolved, training = options["resolved"], options["training"]
-    return RunFacts(run_dir, training["size"], resolved["seq_len"], resolved["global_batch_size"],
-                    resolved["max_steps"], resolved["vocab_size"], training["data"], training["tokenizer"],
-                    resolved.get("released_precision", "fp16"))
-
-
-def choose_steps(ours: Revisions, references: list[Revisions], asked: list[int] | None) -> tuple[list[int], list[int]]:
-    """The steps to compare, and those of ours no reference has: those asked (each refused unless all have it),
-    else every step our run kept that all references have."""
-    our_steps = ours.steps()
-    if asked is not None:
-        missing_ours = [step for step in asked if step not in our_steps]
-        if missing_ours:
-            raise UserError(f"our run kept no model at step {missing_ours[0]}: choose --steps among the steps it has, "
-                            f"{', '.join(map(str, our_steps))}.")
-        for reference in references:
-            missing = [step for step in asked if step not in reference.steps()]
-            if missing:
-                raise UserError(f"the reference {reference.location} has no revision step{missing[0]} of the steps "
-                                f"compared: choose --steps among those all have, the reference has "
-                                f"{', '.join(map(str, reference.steps())) or 'none'}.")
-        return asked, []
-    shared = [step for step in our_steps if all(step in reference.steps() for reference in references)]
-    if not shared:
-        raise UserError(f"{ours.location} and the references share no step: our run has "
-                        f"{', '.join(map(str, our_steps)) or 'none'}, {references[0].location} has "
-                        f"{', '.join(map(str, references[0].steps())) or 'none'}.")
-    return shared, [step for step in our_steps if step not in shared]
-
-
-def check_comparable(run: RunFacts, locations: list[str], references: list[Revisions], step: int,
-                     released: set[str]) -> None:
-    """Refuse, in one sentence naming the difference, references our run cannot be compared with: another
-    vocabulary, or (for a reference that is another run of the recipe) another sequence length, global batch,
-    schedule or data; the released models trained Pythia's own schedule, batch and sequence length."""
-    from cram.models.pythia_recipe import GLOBAL_BATCH, SEQUENCE_LENGTH, TRAIN_STEPS
-
-    ours = (("sequence length", run.seq_len), ("global batch", run.global_batch_size), ("schedule (steps)",
-            run.max_steps), ("data", run.data))
-    for location, reference in zip(locations, references, strict=True):
-        vocab_size = reference.config(step).vocab_size
-        if vocab_size != run.vocab_size:
-            raise UserError(f"cannot compare: the reference {location} has a vocabulary of {vocab_size} tokens and "
-                            f"our run {run.vocab_size}: compare runs of one tokenizer and vocabulary.")
-        if location in released:
-            theirs = {"sequence length": SEQUENCE_LENGTH, "global batch": GLOBAL_BATCH,
-                      "schedule (steps)": TRAIN_STEPS}
-        elif Path(location).is_dir() and _is_run(Path(location)):
-            other = read_run(Path(location))
-            theirs = dict(zip([name for name, _ in ours], (other.seq_len, other.global_batch_size, other.max_steps,
-                                                           other.data), strict=True))
-        else:
-            continue
-        for name, value in ours:
-            if name in theirs and theirs[name] != value:
-                raise UserError(f"cannot compare: our run's {name} is {value} and the reference {location}'s "
-                                f"{theirs[name]}: compare runs of one recipe.")
-
-
-def _is_run(folder: Path) -> bool:
-    try:
-        read_run(folder)
-    except UserError:
-        return False
-    return True
 
 
 def scoring_dtype(precision: str, device: torch.device, recipe_precision: str) -> torch.dtype:
@@ -253,64 +145,6 @@ def verdict(result: dict) -> str:
     return (f"FAIL at step {row['step']}: our loss {row['ours']:.4f} lies {side} {row['low']:.4f} … "
             f"{row['high']:.4f} ({result['bounds']} nats): the run departs from the reference there; compare its "
             "recipe, data order and precision with Pythia's up to that step.")
-
-
-def write_report(result: dict, output: Path) -> None:
-    """replication.json, replication.md and replication.png in `output`, each written whole, then renamed."""
-    output.mkdir(parents=True, exist_ok=True)
-    several = len(result["references"]) > 1
-    lines = [f"# Replication: {result['run']}", "",
-             f"References: {', '.join(result['references'])}; scored in {result['precision']} on {result['device']}, "
-             f"the references with the activation they trained with ({result['reference_activation']}).",
-             "", "| step | sequences | ours | references | bounds | verdict |", "|---|---|---|---|---|---|"]
-    for row in result["rows"]:
-        references = (f"{min(row['references']):.4f} … {max(row['references']):.4f}" if several
-                      else f"{row['references'][0]:.4f}")
-        lines.append(f"| {row['step']} | [{row['first_sequence']}, {row['first_sequence'] + row['sequences']}) | "
-                     f"{row['ours']:.4f} | {references} | {row['low']:.4f} … {row['high']:.4f} | "
-                     f"{'pass' if row['passed'] else 'FAIL'} |")
-    if result.get("skipped_steps"):
-        lines += ["", f"Steps of our run no reference has (not compared): "
-                      f"{', '.join(map(str, result['skipped_steps']))}."]
-    if "init_std" in result:
-        lines += ["", "| weight type | our step-0 std | reference step-0 std |", "|---|---|---|"]
-        ours, reference = result["init_std"]["ours"], result["init_std"]["reference"]
-        lines += [f"| {kind} | {ours[kind]:.5f} | {reference.get(kind, float('nan')):.5f} |" for kind in ours]
-    lines += ["", result["verdict"]]
-    _write(output / "replication.md", ("\n".join(lines) + "\n").encode())
-    _write(output / "replication.json", (json.dumps(result, indent=2) + "\n").encode())
-
-    import matplotlib  # imported here: seconds to import
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(7, 4))
-    steps = [row["step"] for row in result["rows"]]
-    axis.fill_between(steps, [row["low"] for row in result["rows"]], [row["high"] for row in result["rows"]],
-                      alpha=0.2, label="bounds")
-    for index in range(len(result["references"])):
-        axis.plot(steps, [row["references"][index] for row in result["rows"]], color="grey", alpha=0.6,
-                  label="references" if index == 0 else None)
-    axis.plot(steps, [row["ours"] for row in result["rows"]], marker="o", color="C1", label="ours")
-    axis.set_xlabel("step")
-    axis.set_ylabel("loss on the batch of the step")
-    axis.set_title("pass" if result["passed"] else f"FAIL at step {result['first_failed_step']}")
-    axis.legend()
-    axis.grid(alpha=0.3)
-    staging = output / f".replication.png.{os.getpid()}.tmp"
-    try:
-        figure.savefig(staging, format="png", dpi=80)
-        os.replace(staging, output / "replication.png")
-    finally:
-        plt.close(figure)
-        staging.unlink(missing_ok=True)
-
-
-def _write(path: Path, content: bytes) -> None:
-    staging = path.with_name(f".{path.name}.tmp")
-    staging.write_bytes(content)
-    staging.replace(path)
 
 
 def parse_steps(text: str | None) -> list[int] | None:

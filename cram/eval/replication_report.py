@@ -1,0 +1,66 @@
+"""The replication check's report: the table (replication.md), the figures (replication.json) and the losses by step
+(replication.png), each written whole and then renamed."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def write_report(result: dict, output: Path) -> None:
+    """replication.json, replication.md and replication.png in `output`, each written whole, then renamed."""
+    output.mkdir(parents=True, exist_ok=True)
+    several = len(result["references"]) > 1
+    lines = [f"# Replication: {result['run']}", "",
+             f"References: {', '.join(result['references'])}; scored in {result['precision']} on {result['device']}, "
+             f"the references with the activation they trained with ({result['reference_activation']}).",
+             "", "| step | sequences | ours | references | bounds | verdict |", "|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        references = (f"{min(row['references']):.4f} … {max(row['references']):.4f}" if several
+                      else f"{row['references'][0]:.4f}")
+        lines.append(f"| {row['step']} | [{row['first_sequence']}, {row['first_sequence'] + row['sequences']}) | "
+                     f"{row['ours']:.4f} | {references} | {row['low']:.4f} … {row['high']:.4f} | "
+                     f"{'pass' if row['passed'] else 'FAIL'} |")
+    if result.get("skipped_steps"):
+        lines += ["", f"Steps of our run no reference has (not compared): "
+                      f"{', '.join(map(str, result['skipped_steps']))}."]
+    if "init_std" in result:
+        lines += ["", "| weight type | our step-0 std | reference step-0 std |", "|---|---|---|"]
+        ours, reference = result["init_std"]["ours"], result["init_std"]["reference"]
+        lines += [f"| {kind} | {ours[kind]:.5f} | {reference.get(kind, float('nan')):.5f} |" for kind in ours]
+    lines += ["", result["verdict"]]
+    _write(output / "replication.md", ("\n".join(lines) + "\n").encode())
+    _write(output / "replication.json", (json.dumps(result, indent=2) + "\n").encode())
+
+    import matplotlib  # imported here: seconds to import
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    steps = [row["step"] for row in result["rows"]]
+    axis.fill_between(steps, [row["low"] for row in result["rows"]], [row["high"] for row in result["rows"]],
+                      alpha=0.2, label="bounds")
+    for index in range(len(result["references"])):
+        axis.plot(steps, [row["references"][index] for row in result["rows"]], color="grey", alpha=0.6,
+                  label="references" if index == 0 else None)
+    axis.plot(steps, [row["ours"] for row in result["rows"]], marker="o", color="C1", label="ours")
+    axis.set_xlabel("step")
+    axis.set_ylabel("loss on the batch of the step")
+    axis.set_title("pass" if result["passed"] else f"FAIL at step {result['first_failed_step']}")
+    axis.legend()
+    axis.grid(alpha=0.3)
+    staging = output / f".replication.png.{os.getpid()}.tmp"
+    try:
+        figure.savefig(staging, format="png", dpi=80)
+        os.replace(staging, output / "replication.png")
+    finally:
+        plt.close(figure)
+        staging.unlink(missing_ok=True)
+
+
+def _write(path: Path, content: bytes) -> None:
+    staging = path.with_name(f".{path.name}.tmp")
+    staging.write_bytes(content)
+    staging.replace(path)
