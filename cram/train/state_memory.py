@@ -118,6 +118,11 @@ def deepspeed_parts(parameters: int, largest_layer_parameters: int, zero_stage: 
                       Part("all-reduce bucket, cast", "device", 2, 2 * bucket, "reduction")]
         if zero_stage == 1 and offload_optimizer:
             parts.append(Part("fp32 gradient partition beside the accumulator", "device", 4, 4 * p / n, "reduction"))
+        if zero_stage == 1 and offload_optimizer and mixed_precision:
+            # zero/stage_1_and_2.py `_buffered_reduce_fallback_preserving_fp32` (fp32 accumulation below the
+            # 16-bit weights): each bucket of the fp32 accumulated gradients is flattened by `allreduce_bucket`.
+            bucket = min(p, ALLREDUCE_BUCKET_ELEMENTS + largest)
+            parts.append(Part("all-reduce bucket of fp32 gradients, flattened", "device", 4, 4 * bucket, "reduction"))
         if offload_optimizer:
             parts += [Part("fp32 gradient partition (offloaded)", "host", 4, 4 * p / n),
                       Part("fp32 master weights and Adam moments", "host", 4, 12 * p / n),
