@@ -398,7 +398,7 @@ def test_two_processes_train_together_and_stop_together(tmp_path, recipe_env):
     # torchrun starts two CPU processes (DDP over gloo); they share rank 0's clock, so both stop on the same step.
     output_dir = tmp_path / "run"
     command = [Path(sys.executable).with_name("torchrun"), "--standalone", "--nproc_per_node", "2", RECIPE,
-               "--preset", "tiny", "--budget", "10s", "--micro-batch-size", "16", "--output-dir", output_dir]
+               "--preset", "tiny", "--budget", "5s", "--micro-batch-size", "16", "--output-dir", output_dir]
     completed = run(command, env=recipe_env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     options = json.loads((output_dir / "final" / "cram_options.json").read_text())

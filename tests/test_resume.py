@@ -94,10 +94,20 @@ def test_sigterm_saves_a_final_state_and_the_resumed_run_reproduces_the_loss_cur
     assert_same_curve(resumed, uninterrupted)
 
 
+@pytest.fixture(scope="module")
+def stopped_by_ctrl_c(tmp_path_factory, recipe_env) -> tuple[Path, subprocess.CompletedProcess]:
+    """A run stopped by Ctrl-C (SIGINT to its process group) once its step-4 state is saved."""
+    output_dir = tmp_path_factory.mktemp("interrupted") / "run"
+    return output_dir, start_and_stop(output_dir, recipe_env, "step-00000004", signal.SIGINT)
+
+
 @pytest.mark.slow
-def test_a_run_killed_outright_resumes_from_its_last_complete_checkpoint(tmp_path, recipe_env, uninterrupted):
-    output_dir = tmp_path / "run"
-    killed = start_and_stop(output_dir, recipe_env, "step-00000008", signal.SIGKILL)
+def test_a_run_killed_outright_resumes_from_its_last_complete_checkpoint(
+    tmp_path, recipe_env, uninterrupted, stopped_by_ctrl_c
+):
+    # Killed while resumed from the Ctrl-C state, after its step-8 state: a run may be killed in any session.
+    output_dir = Path(shutil.copytree(stopped_by_ctrl_c[0], tmp_path / "run"))
+    killed = start_and_stop(output_dir, recipe_env, "step-00000008", signal.SIGKILL, "--resume", "auto")
     assert killed.returncode == -signal.SIGKILL
     # A save cut short leaves a .tmp folder; it must never be taken for a checkpoint.
     (output_dir / "checkpoints" / "step-00000099.tmp").mkdir()
@@ -156,9 +166,8 @@ def test_the_saved_state_holds_the_papers_adamw(stopped_by_sigterm):
 
 
 @pytest.mark.slow
-def test_ctrl_c_saves_a_state_and_exits_130(tmp_path, recipe_env):
-    output_dir = tmp_path / "run"
-    stopped = start_and_stop(output_dir, recipe_env, "step-00000004", signal.SIGINT)
+def test_ctrl_c_saves_a_state_and_exits_130(stopped_by_ctrl_c):
+    output_dir, stopped = stopped_by_ctrl_c
     assert stopped.returncode == 128 + signal.SIGINT, stopped.stderr[-3000:]
     assert "stopped by signal 2" in stopped.stderr and "--resume auto" in stopped.stderr
     assert "Traceback" not in stopped.stderr
