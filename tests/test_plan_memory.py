@@ -56,9 +56,11 @@ def test_bf16_zero1_counts_the_full_fp32_gradient_of_deepspeeds_bf16_optimizer(s
     assert state_bytes(Candidate("zero2"), shape) == pytest.approx(p * (2 + 16 / 8) + in_flight)
     fp32 = shape_of("pythia-1b", 4, activation_bytes=4)
     assert state_bytes(Candidate("zero1"), fp32) == pytest.approx(fp32.parameters * (4 + 4 + 12 / 4))
-    # With offload, the fp32 gradient partition is built for the step while the full fp32 accumulator lives.
+    # With offload, the fp32 gradient partition is built for the step while the full fp32 accumulator lives, and in
+    # the reduction each bucket of that accumulator is flattened (fp32, 5e8 elements and the tensor past the mark).
     offloaded = state_bytes(Candidate("zero1", offload=True), shape)
-    assert offloaded == pytest.approx(p * (2 + 4) + 2 * shape.largest_layer_parameters + 4 * p / 8)
+    fp32_bucket = 4 * (5e8 + shape.largest_layer_parameters)
+    assert offloaded == pytest.approx(p * (2 + 4) + 2 * shape.largest_layer_parameters + 4 * p / 8 + fp32_bucket)
 
 
 def test_zero3_without_zero_init_counts_the_whole_16_bit_model_on_the_device_while_loading():
