@@ -64,13 +64,17 @@ def record_overflows(accelerator: Accelerator) -> None:
     settings = {"init_scale": built._init_scale, "growth_factor": built._growth_factor,
                 "backoff_factor": built._backoff_factor, "growth_interval": built._growth_interval,
                 "enabled": built.is_enabled()}
+    accelerator.scaler = scaler_like(built, OverflowRecording, RecordingGradScaler, **settings)
+
+
+def scaler_like(built: torch.amp.GradScaler, rules: type, plain: type, **settings) -> torch.amp.GradScaler:
+    """A scaler of `built`'s kind and device with `rules` mixed in: FSDP1's sharded one, or `plain` (torch's)."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     if isinstance(built, ShardedGradScaler):
-        sharded = type("RecordingShardedGradScaler", (OverflowRecording, ShardedGradScaler), {})
-        accelerator.scaler = sharded(device=built._device, process_group=built.process_group, **settings)
-    else:
-        accelerator.scaler = RecordingGradScaler(built._device, **settings)
+        sharded = type(f"{rules.__name__}ShardedGradScaler", (rules, ShardedGradScaler), {})
+        return sharded(device=built._device, process_group=built.process_group, **settings)
+    return plain(built._device, **settings)
 
 
 def step_was_skipped(accelerator: Accelerator) -> bool:
@@ -147,10 +151,5 @@ def hysteresis_scaler_like(
     built: torch.amp.GradScaler, init_scale: float, window: int, hysteresis: int, min_scale: float
 ) -> torch.amp.GradScaler:
     """A scaler of `built`'s kind and device (FSDP1's sharded one, or torch's) that follows DeepSpeed's rules."""
-    settings = {"init_scale": init_scale, "growth_interval": window, "hysteresis": hysteresis, "min_scale": min_scale}
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-    if isinstance(built, ShardedGradScaler):
-        sharded = type("HysteresisShardedGradScaler", (HysteresisLossScaling, ShardedGradScaler), {})
-        return sharded(device=built._device, process_group=built.process_group, **settings)
-    return HysteresisGradScaler(built._device, **settings)
+    return scaler_like(built, HysteresisLossScaling, HysteresisGradScaler, init_scale=init_scale,
+                       growth_interval=window, hysteresis=hysteresis, min_scale=min_scale)
