@@ -101,8 +101,7 @@ def check_comparable(run: RunFacts, locations: list[str], references: list[Revis
         if location in released:
             theirs = {"sequence length": SEQUENCE_LENGTH, "global batch": GLOBAL_BATCH,
                       "schedule (steps)": TRAIN_STEPS}
-        elif Path(location).is_dir() and _is_run(Path(location)):
-            other = read_run(Path(location))
+        elif (other := _run_or_none(Path(location))) is not None:
             theirs = dict(zip([name for name, _ in ours], (other.seq_len, other.global_batch_size, other.max_steps,
                                                            other.data), strict=True))
         else:
@@ -113,9 +112,11 @@ def check_comparable(run: RunFacts, locations: list[str], references: list[Revis
                                 f"{theirs[name]}: compare runs of one recipe.")
 
 
-def _is_run(folder: Path) -> bool:
+def _run_or_none(folder: Path) -> RunFacts | None:
+    """The facts of the run in `folder`, or None where it holds no run of the recipe (a folder of revisions)."""
+    if not folder.is_dir():
+        return None
     try:
-        read_run(folder)
+        return read_run(folder)
     except UserError:
-        return False
-    return True
+        return None
