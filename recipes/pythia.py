@@ -33,7 +33,7 @@ sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Pa
 from accelerate.utils import set_seed
 
 from cram.cli import OptionParser, option, parse_strictly, summary
-from cram.data.causal import causal_data_ready, causal_lm_batch, load_causal_data
+from cram.data.causal import causal_data_ready, causal_lm_batch, first_batch_fingerprint, load_causal_data
 from cram.data.sampling import stream_loader
 from cram.errors import UserError, run_cli
 from cram.models.pythia_model import (
@@ -229,6 +229,8 @@ def main() -> None:
         "max_steps": max_steps, "stop_at_step": stop_at, "seq_len": seq_len, "global_batch_size": global_batch,
         "peak_lr": peak_lr,
         "accumulation": accumulation, "warmup_steps": recipe.warmup_fraction * max_steps,
+        # The replication check compares this with the data it is given and with other runs'.
+        "first_batch": first_batch_fingerprint(data.sequences, global_batch),
         "weight_decay": recipe.weight_decay, "vocab_size": config.vocab_size, "data": data.name,
         "released_precision": recipe.precision, "precision_departure": departure,
         "deepspeed_fp16": (accelerator.state.deepspeed_plugin.deepspeed_config.get("fp16")

@@ -12,6 +12,7 @@ GPT-NeoX trained Pythia on 2049-token sequences. Sources, by what the path is:
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,13 @@ def causal_lm_batch(items: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     tokens = items["input_ids"].long()
     inputs = tokens[:, :-1].contiguous()
     return {"input_ids": inputs, "labels": inputs, "shift_labels": tokens[:, 1:].contiguous()}
+
+
+def first_batch_fingerprint(sequences: Dataset, global_batch_size: int) -> str:
+    """A digest of the token ids of the first batch, sequences [0, global_batch_size) in training order: two runs,
+    or a run and the data a check is given, read the same data in the same order where these agree."""
+    tokens = sequences.__getitems__(list(range(global_batch_size)))["input_ids"]
+    return hashlib.sha256(tokens.to(torch.int64).numpy().tobytes()).hexdigest()[:16]
 
 
 def load_tokenizer(location: str) -> PreTrainedTokenizerBase:

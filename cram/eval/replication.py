@@ -1,23 +1,29 @@
 """Replication check: is our Pythia run Pythia? Our model against the released seeds, step by step, with a verdict.
 
     python -m cram.eval.replication runs/pythia-160m-4xa100 --reference released --data pile/document \\
-        --tokenizer EleutherAI/gpt-neox-20b --steps 0,1000,2000
+        --heldout pile/val.jsonl.zst --steps 0,512,1000,2000 --budget 10m
 
-For each step N, our model at step N and each reference at step N are scored on the same sequences: by default the
-batch of step N, sequences [B·N, B·(N+1)) of the run's data in training order, the next batch none of them has
-trained on. Our model at step N is read from whatever the run kept: its revisions (OUTPUT_DIR/revisions/stepN), a
-training state (Accelerate's model.safetensors, DeepSpeed's ZeRO-1/2/3 shards consolidated with DeepSpeed's
-zero_to_fp32, FSDP's sharded or full states merged with Accelerate's merge_fsdp_weights) or its final model.
+For each step N, our model at step N and each reference at step N score the same held-out text: the first sequences
+of --heldout (the Pile's validation split, laid out as the Pile ships it), which no model trained on; as many as
+--budget affords (or --sequences). Besides, ours and the first reference (seed 1234 for `released`) score the batch
+of step N of the run's data, the next batch neither has trained on, for a second look. Our model at step N is read
+from whatever the run kept: its revisions (OUTPUT_DIR/revisions/stepN), a training state (Accelerate's
+model.safetensors, DeepSpeed's ZeRO-1/2/3 and BF16_Optimizer shards, FSDP's sharded or full states) or its final
+model.
 
 A reference is a Hub repository with `stepN` revisions (a released model, or a run pushed with --push-checkpoints),
 a local folder holding one `stepN` folder per revision, or another run's --output-dir; `released` names the released
-models of the run's size: for pythia-14m … 410m, the original (seed 1234) and PolyPythias' seeds 1 to 9.
+models of the run's size (for pythia-14m … 410m the original, seed 1234, and PolyPythias' seeds 1 to 9),
+`released-deduped` those of the deduplicated Pile (one model a size).
 
-The verdict: with several references, the run passes a step where its loss lies within the references' losses there
-(min … max) widened by --margin on each side; with one, within --tolerance of it. The command exits with status 1,
-naming the first step out of bounds, where it does not pass; with status 2 and one sentence where the run and a
-reference cannot be compared (another vocabulary; another run's sequence length, batch, schedule or data; for the
-released models, Pythia's own) or the input is bad; any other failure exits 3. Written to OUTPUT (default
+The verdict (`cram.eval.seed_band`): with several references, a step passes where our loss lies within the
+prediction interval of one more seed from the references' mean and spread there, corrected for the number of steps
+tested (--alpha is the chance that a faithful run fails somewhere) and never narrower than the scoring's own
+standard error; each step gets a z-score, and the early steps (≤ 512) and the late ones get verdicts of their own.
+With one reference there is no spread to judge by: the step passes within --tolerance nats of it. Exit status: 0
+PASS; 1 FAIL, naming the first step out; 2 with one sentence where the run and a reference cannot be compared
+(another vocabulary or tokenizer; another run's sequence length, batch, schedule or data; for the released models,
+Pythia's own), --data is not the run's, or the input is bad; 3 for any other failure. Written to OUTPUT (default
 RUN_DIR/replication): the table (replication.md), the figures (replication.json) and a PNG of the losses by step.
 """
 
@@ -26,52 +32,38 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
+from transformers.utils.logging import disable_progress_bar
 
-from cram.data.causal import causal_lm_batch, load_causal_data
+from cram.data.causal import first_batch_fingerprint, load_causal_data
+from cram.data.heldout import HeldOut, heldout_sequences
 from cram.errors import UserError, run_cli
 from cram.eval.replication_report import write_report
-from cram.eval.replication_runs import RunFacts, check_comparable, choose_steps, read_run, released_references
+from cram.eval.replication_runs import RunFacts, check_comparable, check_data, choose_steps, expand_references, read_run
+from cram.eval.replication_scoring import (
+    CPU,
+    PRECISION_DTYPES,
+    format_seconds,
+    parse_budget,
+    plan_scoring,
+    resolve_device,
+    scoring_dtype,
+    sequence_losses,
+)
 from cram.eval.run_models import Revisions
+from cram.eval.seed_band import EARLY_STEPS_END, judge_step
 from cram.models.pythia_model import weight_type
 
 # The activation the released models trained with: every pythia-*.yml sets "bias-gelu-fusion": true, GPT-NeoX v1.0's
 # tanh `bias_gelu` (megatron/model/activations.py), which is transformers' gelu_fast, while their config.json files
 # say "gelu" (cram.models.pythia_model builds our models with it too).
 REFERENCE_ACTIVATION = "gelu_fast"
-DEFAULT_MARGIN = 0.05  # nats either side of the references' min … max
+DEFAULT_ALPHA = 0.05  # the chance that a faithful run fails at some step tested
 DEFAULT_TOLERANCE = 0.1  # nats either side of a single reference
-CPU = torch.device("cpu")
-PRECISION_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def scoring_dtype(precision: str, device: torch.device, recipe_precision: str) -> torch.dtype:
-    """The arithmetic's dtype: `auto` is the recipe's precision on a GPU and fp32 on the CPU."""
-    if precision == "auto":
-        precision = recipe_precision if device.type == "cuda" else "fp32"
-    return PRECISION_DTYPES[precision]
-
-
-@torch.no_grad()
-def batch_loss(model: PreTrainedModel, sequences, serials: list[int], micro_batch_size: int,
-               device: torch.device = CPU, dtype: torch.dtype = torch.float32) -> float:
-    """Mean next-token loss over `serials`, every position predicted as in training. The weights are upcast to fp32
-    (lossless: they keep the values they were saved with) and the arithmetic runs under autocast in `dtype`."""
-    model.to(device=device, dtype=torch.float32).eval()
-    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
-    total, tokens = 0.0, 0
-    for start in range(0, len(serials), micro_batch_size):
-        batch = causal_lm_batch(sequences.__getitems__(serials[start:start + micro_batch_size]))
-        batch = {name: value.to(device) for name, value in batch.items()}
-        count = batch["shift_labels"].numel()
-        with autocast:
-            total += model(**batch).loss.float().item() * count
-        tokens += count
-    return total / tokens
+DEFAULT_BUDGET = "10m"
 
 
 def init_stds(model: PreTrainedModel) -> dict[str, float]:
@@ -84,67 +76,90 @@ def init_stds(model: PreTrainedModel) -> dict[str, float]:
     return {kind: torch.cat(values).std().item() for kind, values in groups.items()}
 
 
-def judge(references: list[float], margin: float, tolerance: float) -> tuple[float, float]:
-    """The bounds our loss must lie within: the references' min … max widened by `margin`, or a single reference
-    ± `tolerance`."""
-    widen = margin if len(references) > 1 else tolerance
-    return min(references) - widen, max(references) + widen
-
-
 def compare(
-    run: RunFacts, references: list[Revisions], steps: list[int], data: str, tokenizer: str | None,
-    sequences: int | None, *, margin: float = DEFAULT_MARGIN, tolerance: float = DEFAULT_TOLERANCE,
-    device: torch.device = CPU, dtype: torch.dtype = torch.float32, micro_batch_size: int = 8,
+    run: RunFacts, references: list[Revisions], steps: list[int], heldout: HeldOut,
+    next_batches: dict[int, tuple[int, torch.Tensor] | None], *, alpha: float = DEFAULT_ALPHA,
+    tolerance: float = DEFAULT_TOLERANCE, device: torch.device = CPU, dtype: torch.dtype = torch.float32,
+    micro_batch_size: int = 8,
 ) -> dict:
+    """Score ours and every reference on the held-out sequences at each step, and judge each step; `next_batches`:
+    per step, (its first serial, the tokens) of the run's batch of that step, or None past the data's end."""
     ours = Revisions(str(run.folder))
-    # The data must reach the batch of the last step compared, one past the run's for its final model.
-    source = load_causal_data(data, run.seq_len, run.vocab_size, tokenizer or run.tokenizer, None,
-                              max(run.max_steps, max(steps) + 1) * run.global_batch_size)
-    count = sequences or run.global_batch_size
     rows, init = [], None
     for step in steps:
-        serials = list(range(run.global_batch_size * step, run.global_batch_size * step + count))
         our_model = ours.load(step)
-        row = {"step": step, "first_sequence": serials[0], "sequences": count,
-               "ours": batch_loss(our_model, source.sequences, serials, micro_batch_size, device, dtype),
-               "references": []}
-        reference_models = []
+        our_losses = sequence_losses(our_model, heldout.sequences, micro_batch_size, device, dtype)
+        reference_losses, first_reference = [], None
         for reference in references:
             model = reference.load(step, hidden_act=REFERENCE_ACTIVATION)
-            row["references"].append(batch_loss(model, source.sequences, serials, micro_batch_size, device, dtype))
-            if step == 0 and not reference_models:
-                reference_models.append(model)
+            reference_losses.append(sequence_losses(model, heldout.sequences, micro_batch_size, device, dtype))
+            if first_reference is None:
+                first_reference = model
             del model
-        row["low"], row["high"] = judge(row["references"], margin, tolerance)
-        row["passed"] = row["low"] <= row["ours"] <= row["high"]
+        judgement = judge_step(our_losses, torch.stack(reference_losses), len(steps), alpha, tolerance)
+        row = {"step": step, "early": step <= EARLY_STEPS_END, "ours": judgement.ours,
+               "references": [losses.mean().item() for losses in reference_losses], "mean": judgement.mean,
+               "spread": judgement.spread, "standard_error": judgement.standard_error, "z": judgement.z,
+               "critical": judgement.critical, "low": judgement.low, "high": judgement.high,
+               "passed": judgement.passed, "next_batch": None}
+        if next_batches.get(step) is not None:
+            first, tokens = next_batches[step]
+            row["next_batch"] = {
+                "first_sequence": first, "sequences": len(tokens),
+                "ours": sequence_losses(our_model, tokens, micro_batch_size, device, dtype).mean().item(),
+                "reference": sequence_losses(first_reference, tokens, micro_batch_size, device, dtype).mean().item()}
         rows.append(row)
         if step == 0:
-            init = {"ours": init_stds(our_model), "reference": init_stds(reference_models[0])}
-        del our_model
+            init = {"ours": init_stds(our_model), "reference": init_stds(first_reference)}
+        del our_model, first_reference
     failed = next((row for row in rows if not row["passed"]), None)
-    result = {"run": str(run.folder), "references": [reference.location for reference in references], "data": data,
+    several = len(references) > 1
+    result = {"run": str(run.folder), "references": [reference.location for reference in references],
+              "heldout": {"path": str(heldout.path), "sequences": len(heldout.sequences),
+                          "tokens_per_sequence": heldout.sequences.shape[1], "documents": heldout.documents,
+                          "fingerprint": heldout.fingerprint},
               "precision": str(dtype).removeprefix("torch."), "device": str(device),
-              "reference_activation": REFERENCE_ACTIVATION,
-              "bounds": (f"the references' min … max ± {margin:g}" if len(references) > 1
-                         else f"the reference ± {tolerance:g}"),
-              "rows": rows, "passed": failed is None, "first_failed_step": None if failed is None else failed["step"]}
+              "reference_activation": REFERENCE_ACTIVATION, "alpha": alpha if several else None,
+              "tolerance": None if several else tolerance,
+              "bounds": (f"the interval one more of the {len(references)} seeds falls in (Student t, "
+                         f"{len(references) - 1} degrees of freedom, alpha {alpha:g} over {len(steps)} steps)"
+                         if several else f"the reference ± {tolerance:g} nats (one reference: no spread to judge by)"),
+              "rows": rows, "passed": failed is None, "first_failed_step": None if failed is None else failed["step"],
+              "phases": {name: phase_verdict([row for row in rows if row["early"] == early])
+                         for name, early in (("early", True), ("late", False))}}
     if init is not None:
         result["init_std"] = init
     result["verdict"] = verdict(result)
     return result
 
 
+def phase_verdict(rows: list[dict]) -> dict:
+    """The verdict over one phase's rows (early: steps ≤ 512; late: the rest)."""
+    failed = next((row for row in rows if not row["passed"]), None)
+    return {"steps": [row["step"] for row in rows], "passed": failed is None if rows else None,
+            "first_failed_step": None if failed is None else failed["step"]}
+
+
 def verdict(result: dict) -> str:
-    """One sentence a researcher can act on."""
+    """One sentence a researcher can act on, and the phases' verdicts."""
     rows = result["rows"]
-    steps = ", ".join(str(row["step"]) for row in rows)
+    phases = []
+    for name, label in (("early", f"early steps (≤ {EARLY_STEPS_END})"), ("late", "late steps")):
+        phase = result["phases"][name]
+        if phase["passed"] is not None:
+            outcome = "pass" if phase["passed"] else f"FAIL from step {phase['first_failed_step']}"
+            phases.append(f"{label}: {outcome}")
+    phases_text = "; ".join(phases)
     if result["passed"]:
-        return (f"PASS: at every step compared ({steps}) our loss lies within {result['bounds']} nats.")
+        steps = ", ".join(str(row["step"]) for row in rows)
+        return (f"PASS: at every step compared ({steps}) our held-out loss lies within {result['bounds']} "
+                f"({phases_text}).")
     row = next(row for row in rows if not row["passed"])
     side = "above" if row["ours"] > row["high"] else "below"
-    return (f"FAIL at step {row['step']}: our loss {row['ours']:.4f} lies {side} {row['low']:.4f} … "
-            f"{row['high']:.4f} ({result['bounds']} nats): the run departs from the reference there; compare its "
-            "recipe, data order and precision with Pythia's up to that step.")
+    z = "" if row["spread"] is None else f", z = {row['z']:+.2f} where |z| ≤ {row['critical']:.2f} passes"
+    return (f"FAIL at step {row['step']}: our held-out loss {row['ours']:.4f} lies {side} {row['low']:.4f} … "
+            f"{row['high']:.4f}, {result['bounds']}{z} ({phases_text}): the run departs from the references there; "
+            "compare its recipe, data order and precision with Pythia's up to that step.")
 
 
 def parse_steps(text: str | None) -> list[int] | None:
@@ -160,58 +175,97 @@ def parse_steps(text: str | None) -> list[int] | None:
     return steps
 
 
-def resolve_device(name: str) -> torch.device:
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {name}: no CUDA GPU is visible here: score on --device cpu or on a GPU machine.")
-    return device
-
-
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m cram.eval.replication", description=__doc__.split("\n")[0])
     parser.add_argument("run_dir", help="the --output-dir of a run of recipes/pythia.py")
     parser.add_argument("--reference", action="append", required=True,
-                        help="released (the released seeds of the run's size), a Hub repository with stepN revisions "
-                             "(EleutherAI/pythia-160m), a local folder of stepN revisions, or another run's "
-                             "--output-dir; give it several times for several references")
-    parser.add_argument("--data", required=True, help="the run's data (a Megatron prefix or any source it read)")
+                        help="released (the released seeds of the run's size), released-deduped (its deduplicated-"
+                             "Pile model), a Hub repository with stepN revisions (EleutherAI/pythia-160m), a local "
+                             "folder of stepN revisions, or another run's --output-dir; give it several times for "
+                             "several references")
+    parser.add_argument("--data", required=True,
+                        help="the run's data (a Megatron prefix or any source it read), checked against the run's "
+                             "first batch and scored for the next-batch column")
+    parser.add_argument("--heldout", required=True,
+                        help="held-out text every model scores: a local copy of the Pile's validation or test split "
+                             "(val.jsonl.zst), or any JSON-lines or text file of documents none trained on")
     parser.add_argument("--tokenizer", default=None, help="the data's tokenizer; unset means the run's")
     parser.add_argument("--steps", default=None,
                         help="steps to compare, e.g. 1000,2000; unset: every step our run kept that all references "
                              "have")
+    parser.add_argument("--budget", default=DEFAULT_BUDGET,
+                        help="the time the scoring may take (10m, 90s, 1h): it sizes the held-out sequences scored")
     parser.add_argument("--sequences", type=int, default=None,
-                        help="sequences of each step's batch to score (from its first); unset: the whole batch")
-    parser.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
-                        help="nats the references' min … max is widened by on each side (several references)")
+                        help="held-out sequences each model scores, instead of as many as --budget affords")
+    parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
+                        help="with several references, the chance that a faithful run fails at some step tested")
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
-                        help="nats our loss may lie from a single reference's")
-    parser.add_argument("--device", default="cpu", help="where to score: cpu, cuda or cuda:N")
+                        help="with one reference, the nats our loss may lie from its loss")
+    parser.add_argument("--device", default="auto", help="where to score: auto (a GPU where one is visible), cpu, "
+                                                         "cuda or cuda:N")
     parser.add_argument("--precision", default="auto", choices=("auto", *PRECISION_DTYPES),
                         help="the scoring arithmetic: auto is the run's recipe precision (fp16; bf16 for pythia-1b) "
                              "on a GPU and fp32 on the CPU; the weights are read as saved either way")
     parser.add_argument("--micro-batch-size", type=int, default=8, help="sequences per forward pass")
     parser.add_argument("--output", default=None, help="where to write the report; unset: RUN_DIR/replication")
-    args = parser.parse_args(argv)
-    if args.margin < 0 or args.tolerance < 0:
-        raise UserError("--margin and --tolerance cannot be negative: give the nats allowed, e.g. 0.05.")
+    return parser
+
+
+def check_arguments(args: argparse.Namespace) -> float:
+    """Refuse bad numbers in one sentence each; the budget's seconds."""
+    if not 0 < args.alpha < 1:
+        raise UserError(f"--alpha {args.alpha}: give the chance of failing a faithful run, between 0 and 1 (e.g. "
+                        "0.05).")
+    if args.tolerance < 0:
+        raise UserError("--tolerance cannot be negative: give the nats allowed, e.g. 0.1.")
     if args.sequences is not None and args.sequences < 1:
-        raise UserError(f"--sequences {args.sequences} scores nothing: give 1 or more, or leave it unset for the whole "
-                        "batch.")
+        raise UserError(f"--sequences {args.sequences} scores nothing: give 1 or more, or leave it unset for as many "
+                        "as --budget affords.")
     if args.micro_batch_size < 1:
         raise UserError(f"--micro-batch-size {args.micro_batch_size}: give 1 or more sequences per forward pass.")
+    return parse_budget(args.budget)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    budget_seconds = check_arguments(args)
+    disable_progress_bar()  # a bar per model loaded would bury the table
     run = read_run(Path(args.run_dir))
     device = resolve_device(args.device)
-    locations = [name for location in args.reference
-                 for name in (released_references(run.size) if location == "released" else [location])]
+    dtype = scoring_dtype(args.precision, device, run.precision)
+    locations, released = expand_references(args.reference, run)
     references = [Revisions(location) for location in locations]
-    steps, skipped = choose_steps(Revisions(args.run_dir), references, parse_steps(args.steps))
-    released = set(released_references(run.size)) if "released" in args.reference else set()
-    check_comparable(run, locations, references, steps[0], released)
-    result = compare(run, references, steps, args.data, args.tokenizer, args.sequences, margin=args.margin,
-                     tolerance=args.tolerance, device=device,
-                     dtype=scoring_dtype(args.precision, device, run.precision),
-                     micro_batch_size=args.micro_batch_size)
+    ours = Revisions(args.run_dir)
+    steps, skipped = choose_steps(ours, references, parse_steps(args.steps))
+    check_comparable(run, locations, references, steps[0], released, ours)
+    # The run's data exactly as the run read it (its index sized by its own steps × batch), checked by its first
+    # batch; the next-batch column reads the batch of each step from it.
+    data = load_causal_data(args.data, run.seq_len, run.vocab_size, args.tokenizer or run.tokenizer, None,
+                            run.max_steps * run.global_batch_size)
+    check_data(run, args.data, first_batch_fingerprint(data.sequences, run.global_batch_size))
+
+    probe = heldout_sequences(args.heldout, data.tokenizer, run.seq_len, args.micro_batch_size).sequences
+    models = len(steps) * (len(references) + 1)
+    plan = plan_scoring(lambda: ours.load(steps[0]), probe, models=models, extra_sequences=2 * len(steps),
+                        budget_seconds=budget_seconds, sequences=args.sequences,
+                        micro_batch_size=args.micro_batch_size, device=device, dtype=dtype)
+    heldout = heldout_sequences(args.heldout, data.tokenizer, run.seq_len, plan.sequences)
+    count = len(heldout.sequences)
+    next_batches = {}
+    for step in steps:
+        first = step * run.global_batch_size
+        size = min(count, run.global_batch_size)
+        next_batches[step] = ((first, data.sequences.__getitems__(list(range(first, first + size)))["input_ids"])
+                              if first + size <= len(data.sequences) else None)
+    print(f"scoring {count:,} held-out sequences of {run.seq_len + 1} tokens ({heldout.describe()}) with "
+          f"{len(references) + 1} models at {len(steps)} steps, and the next batch with ours and "
+          f"{locations[0]}, on {device} in {str(dtype).removeprefix('torch.')}: predicted "
+          f"{format_seconds(plan.predicted_seconds)} (--budget {args.budget}; a model load {plan.load_seconds:.1f} s "
+          "as ours took, downloads not counted)", flush=True)
+    result = compare(run, references, steps, heldout, next_batches, alpha=args.alpha, tolerance=args.tolerance,
+                     device=device, dtype=dtype, micro_batch_size=args.micro_batch_size)
     result["skipped_steps"] = skipped
+    result["predicted_seconds"] = plan.predicted_seconds
     output = Path(args.output) if args.output else run.folder / "replication"
     write_report(result, output)
     print((output / "replication.md").read_text())

@@ -12,16 +12,22 @@ def write_report(result: dict, output: Path) -> None:
     """replication.json, replication.md and replication.png in `output`, each written whole, then renamed."""
     output.mkdir(parents=True, exist_ok=True)
     several = len(result["references"]) > 1
+    heldout = result["heldout"]
     lines = [f"# Replication: {result['run']}", "",
-             f"References: {', '.join(result['references'])}; scored in {result['precision']} on {result['device']}, "
-             f"the references with the activation they trained with ({result['reference_activation']}).",
-             "", "| step | sequences | ours | references | bounds | verdict |", "|---|---|---|---|---|---|"]
+             f"References: {', '.join(result['references'])}; the references run with the activation they trained "
+             f"with ({result['reference_activation']}). Scored in {result['precision']} on {result['device']}: "
+             f"{heldout['sequences']:,} held-out sequences of {heldout['tokens_per_sequence']} tokens from "
+             f"{heldout['path']} (fingerprint {heldout['fingerprint']}). Bounds: {result['bounds']}.",
+             "", "| step | ours | references: mean (spread) | standard error | z | bounds | verdict "
+                 f"| next batch: ours, {result['references'][0]} |", "|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
-        references = (f"{min(row['references']):.4f} … {max(row['references']):.4f}" if several
-                      else f"{row['references'][0]:.4f}")
-        lines.append(f"| {row['step']} | [{row['first_sequence']}, {row['first_sequence'] + row['sequences']}) | "
-                     f"{row['ours']:.4f} | {references} | {row['low']:.4f} … {row['high']:.4f} | "
-                     f"{'pass' if row['passed'] else 'FAIL'} |")
+        references = (f"{row['mean']:.4f} ({row['spread']:.4f})" if several else f"{row['references'][0]:.4f}")
+        z = f"{row['z']:+.2f}" if several else "—"
+        next_batch = row["next_batch"]
+        nearby = (f"{next_batch['ours']:.4f}, {next_batch['reference']:.4f} (sequences [{next_batch['first_sequence']}"
+                  f", {next_batch['first_sequence'] + next_batch['sequences']}))" if next_batch else "past the data")
+        lines.append(f"| {row['step']} | {row['ours']:.4f} | {references} | {row['standard_error']:.4f} | {z} | "
+                     f"{row['low']:.4f} … {row['high']:.4f} | {'pass' if row['passed'] else 'FAIL'} | {nearby} |")
     if result.get("skipped_steps"):
         lines += ["", f"Steps of our run no reference has (not compared): "
                       f"{', '.join(map(str, result['skipped_steps']))}."]
@@ -47,7 +53,7 @@ def write_report(result: dict, output: Path) -> None:
                   label="references" if index == 0 else None)
     axis.plot(steps, [row["ours"] for row in result["rows"]], marker="o", color="C1", label="ours")
     axis.set_xlabel("step")
-    axis.set_ylabel("loss on the batch of the step")
+    axis.set_ylabel("held-out loss")
     axis.set_title("pass" if result["passed"] else f"FAIL at step {result['first_failed_step']}")
     axis.legend()
     axis.grid(alpha=0.3)

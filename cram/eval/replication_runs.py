@@ -18,12 +18,43 @@ OPTIONS_FILE = "cram_options.json"
 SEEDED_SIZES = ("pythia-14m", "pythia-31m", "pythia-70m", "pythia-160m", "pythia-410m")
 
 
-def released_references(size: str) -> list[str]:
-    """The Hub names of the released models of `size` (pythia-160m: the original and its nine other seeds)."""
+# What `--reference` names the released models by: those trained on the Pile, and on the deduplicated Pile.
+RELEASED, RELEASED_DEDUPED = "released", "released-deduped"
+
+
+def released_references(size: str, deduped: bool = False) -> list[str]:
+    """The Hub names of the released models of `size` (pythia-160m: the original and its nine other seeds), or of
+    its deduplicated-Pile model (EleutherAI/pythia-SIZE-deduped; PolyPythias trained the standard Pile only)."""
+    if deduped:
+        return [f"EleutherAI/{size}-deduped"]
     names = [f"EleutherAI/{size}"]
     if size in SEEDED_SIZES:
         names += [f"EleutherAI/{size}-seed{seed}" for seed in range(1, 10)]
     return names
+
+
+def names_deduplicated_data(data: str) -> bool:
+    """Whether a data path names the deduplicated Pile, as EleutherAI's sets of it are named
+    (pile-deduped-pythia-preshuffled, pile_0.87_deduped_text_document)."""
+    return "dedup" in data.lower()
+
+
+def expand_references(asked: list[str], run: RunFacts) -> tuple[list[str], set[str]]:
+    """The reference locations `asked` names, `released` and `released-deduped` expanded to the Hub names of the
+    run's size, and which of them are released models; `released` is refused for a run on deduplicated data."""
+    locations: list[str] = []
+    released: set[str] = set()
+    for location in asked:
+        if location in (RELEASED, RELEASED_DEDUPED):
+            if location == RELEASED and names_deduplicated_data(run.data):
+                raise UserError(f"our run trained on {run.data}, deduplicated data, and `released` names the models "
+                                f"of the standard Pile: give --reference {RELEASED_DEDUPED}.")
+            names = released_references(run.size, deduped=location == RELEASED_DEDUPED)
+            locations += names
+            released.update(names)
+        else:
+            locations.append(location)
+    return locations, released
 
 
 @dataclass(frozen=True)
@@ -39,6 +70,7 @@ class RunFacts:
     data: str
     tokenizer: str | None
     precision: str  # the released precision of the size (fp16; bf16 for pythia-1b)
+    first_batch: str | None  # the digest of its first batch's tokens (None: a run from before it was recorded)
 
 
 def read_run(run_dir: Path) -> RunFacts:
@@ -57,7 +89,7 @@ def read_run(run_dir: Path) -> RunFacts:
     resolved, training = options["resolved"], options["training"]
     return RunFacts(run_dir, training["size"], resolved["seq_len"], resolved["global_batch_size"],
                     resolved["max_steps"], resolved["vocab_size"], training["data"], training["tokenizer"],
-                    resolved.get("released_precision", "fp16"))
+                    resolved.get("released_precision", "fp16"), resolved.get("first_batch"))
 
 
 def choose_steps(ours: Revisions, references: list[Revisions], asked: list[int] | None) -> tuple[list[int], list[int]]:
@@ -85,31 +117,51 @@ def choose_steps(ours: Revisions, references: list[Revisions], asked: list[int] 
 
 
 def check_comparable(run: RunFacts, locations: list[str], references: list[Revisions], step: int,
-                     released: set[str]) -> None:
+                     released: set[str], ours: Revisions) -> None:
     """Refuse, in one sentence naming the difference, references our run cannot be compared with: another
-    vocabulary, or (for a reference that is another run of the recipe) another sequence length, global batch,
-    schedule or data; the released models trained Pythia's own schedule, batch and sequence length."""
+    vocabulary or tokenizer, or (for a reference that is another run of the recipe) another sequence length, global
+    batch, schedule or data (its first batch); the released models trained Pythia's own schedule, batch and
+    sequence length."""
     from cram.models.pythia_recipe import GLOBAL_BATCH, SEQUENCE_LENGTH, TRAIN_STEPS
 
-    ours = (("sequence length", run.seq_len), ("global batch", run.global_batch_size), ("schedule (steps)",
-            run.max_steps), ("data", run.data))
+    our_facts = (("sequence length", run.seq_len), ("global batch", run.global_batch_size),
+                 ("schedule (steps)", run.max_steps))
+    our_tokenizer = ours.tokenizer_digest(step)
     for location, reference in zip(locations, references, strict=True):
         vocab_size = reference.config(step).vocab_size
         if vocab_size != run.vocab_size:
             raise UserError(f"cannot compare: the reference {location} has a vocabulary of {vocab_size} tokens and "
                             f"our run {run.vocab_size}: compare runs of one tokenizer and vocabulary.")
+        their_tokenizer = reference.tokenizer_digest(step)
+        if None not in (our_tokenizer, their_tokenizer) and our_tokenizer != their_tokenizer:
+            raise UserError(f"cannot compare: the reference {location}'s tokenizer maps text to other ids than our "
+                            "run's: compare runs of one tokenizer.")
         if location in released:
             theirs = {"sequence length": SEQUENCE_LENGTH, "global batch": GLOBAL_BATCH,
                       "schedule (steps)": TRAIN_STEPS}
         elif (other := _run_or_none(Path(location))) is not None:
-            theirs = dict(zip([name for name, _ in ours], (other.seq_len, other.global_batch_size, other.max_steps,
-                                                           other.data), strict=True))
+            theirs = dict(zip([name for name, _ in our_facts],
+                              (other.seq_len, other.global_batch_size, other.max_steps), strict=True))
+            if run.first_batch and other.first_batch:
+                if run.first_batch != other.first_batch:
+                    raise UserError(f"cannot compare: the reference {location} trained on other data or in another "
+                                    "order (its first batch is not our run's): compare runs of one data order.")
+            elif other.data != run.data:
+                raise UserError(f"cannot compare: our run's data is {run.data} and the reference {location}'s "
+                                f"{other.data}: compare runs of one recipe.")
         else:
             continue
-        for name, value in ours:
-            if name in theirs and theirs[name] != value:
+        for name, value in our_facts:
+            if theirs[name] != value:
                 raise UserError(f"cannot compare: our run's {name} is {value} and the reference {location}'s "
                                 f"{theirs[name]}: compare runs of one recipe.")
+
+
+def check_data(run: RunFacts, data: str, given_first_batch: str) -> None:
+    """Refuse data that is not what our run trained on, read in its order (its first batch differs)."""
+    if run.first_batch is not None and run.first_batch != given_first_batch:
+        raise UserError(f"--data {data} is not the data our run trained on, in its order (the first batch differs "
+                        f"from the run's): give the --data and --tokenizer the run was given ({run.data}).")
 
 
 def _run_or_none(folder: Path) -> RunFacts | None:

@@ -5,13 +5,21 @@ repository's stepN revisions."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, GPTNeoXForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPTNeoXForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 from cram.errors import UserError
 
@@ -144,6 +152,20 @@ class Revisions:
         if kind == "hub":
             return AutoConfig.from_pretrained(self.location, revision=f"step{step}", **overrides)
         return AutoConfig.from_pretrained(path if kind == "revision" else self.config_folder(), **overrides)
+
+    def tokenizer_digest(self, step: int) -> str | None:
+        """A digest of the tokenizer kept with the model at `step` (its vocabulary, token to id), or None where none
+        was kept or it cannot be read (a training state, an unreachable Hub)."""
+        kind, path = self.found()[step]
+        if kind == "state":
+            return None
+        try:
+            tokenizer = (AutoTokenizer.from_pretrained(self.location, revision=f"step{step}") if kind == "hub"
+                         else AutoTokenizer.from_pretrained(path))
+        except Exception:  # noqa: BLE001 - no tokenizer kept there is not an error: the vocabulary size still is
+            return None
+        vocabulary = sorted(tokenizer.get_vocab().items())
+        return hashlib.sha256(json.dumps(vocabulary).encode()).hexdigest()[:16]
 
     def load(self, step: int, **overrides) -> PreTrainedModel:
         """The model at `step`, its weights in the precision they were saved in (dtype="auto"); `overrides` set in
