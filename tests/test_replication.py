@@ -1,6 +1,7 @@
 """The replication check's parts (one small process writes DeepSpeed's states; the rest in process): which steps a
 run keeps as revisions and what they take on disk, training states read whole (DeepSpeed's and FSDP's, merged by
-their own tools), the bounds and the verdict, the released seeds' names."""
+their own tools), the band from the seeds' spread and the verdict, the time budget, the released seeds' names, and
+what cannot be compared refused before any scoring."""
 
 from __future__ import annotations
 
@@ -19,15 +20,11 @@ from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from cram.errors import UserError
 from cram.eval import replication
-from cram.eval.replication import (
-    DEFAULT_MARGIN,
-    DEFAULT_TOLERANCE,
-    judge,
-    released_references,
-    scoring_dtype,
-    verdict,
-)
+from cram.eval.replication import DEFAULT_ALPHA, DEFAULT_TOLERANCE, compare, phase_verdict, verdict
+from cram.eval.replication_runs import released_references
+from cram.eval.replication_scoring import parse_budget, plan_scoring, scoring_dtype
 from cram.eval.run_models import Revisions, read_training_state
+from cram.eval.seed_band import judge_step, t_quantile_two_sided
 from cram.models.pythia_recipe import pythia_checkpoint_steps
 from cram.train.revisions import parse_revision_steps, revisions_disk_line
 
@@ -115,26 +112,99 @@ def test_a_revision_loads_in_the_precision_it_was_saved_in(tmp_path, tiny_model)
     assert_same_weights(model.state_dict(), halved)
 
 
-def test_bounds_widen_several_references_by_the_margin_and_one_by_the_tolerance():
-    assert judge([2.9, 3.1, 3.05], 0.05, 0.2) == pytest.approx((2.85, 3.15))
-    assert judge([2.9], 0.05, 0.2) == pytest.approx((2.7, 3.1))
-    assert (DEFAULT_MARGIN, DEFAULT_TOLERANCE) == (0.05, 0.1)
+def test_students_quantile_is_the_tables():
+    # Two-sided critical values of Student's t (any statistics table): 12.706 (1 degree, 5 %), 4.303 (2), 2.776 (4),
+    # 3.250 (9 degrees, 1 %), 4.781 (9 degrees, 0.1 %).
+    for tail, degrees, expected in ((0.05, 1, 12.706), (0.05, 2, 4.303), (0.05, 4, 2.776), (0.01, 9, 3.250),
+                                    (0.001, 9, 4.781)):
+        assert t_quantile_two_sided(tail, degrees) == pytest.approx(expected, abs=1e-3), (tail, degrees)
+    assert (DEFAULT_ALPHA, DEFAULT_TOLERANCE) == (0.05, 0.1)
 
 
-def test_the_verdict_names_the_first_step_out_and_which_side():
-    rows = [{"step": 0, "ours": 7.0, "low": 6.9, "high": 7.1, "passed": True},
-            {"step": 512, "ours": 4.0, "low": 3.5, "high": 3.8, "passed": False},
-            {"step": 1000, "ours": 3.0, "low": 3.2, "high": 3.4, "passed": False}]
-    text = verdict({"rows": rows, "passed": False, "bounds": "the references' min … max ± 0.05"})
-    assert text.startswith("FAIL at step 512: our loss 4.0000 lies above 3.5000 … 3.8000")
-    passed = verdict({"rows": rows[:1], "passed": True, "bounds": "the reference ± 0.1"})
-    assert passed == "PASS: at every step compared (0) our loss lies within the reference ± 0.1 nats."
+def seeds_at_steps(generator: torch.Generator, seeds: int, steps: int, spread: float, sequences: int = 16):
+    """Per-sequence losses [seeds, steps, sequences]: a seed's offset at each step (drawn with `spread`) on top of
+    sequence losses all seeds share (the same text) and a little per-sequence noise of their own."""
+    text = 3 + torch.rand(steps, sequences, generator=generator, dtype=torch.float64)
+    offsets = torch.randn(seeds, steps, 1, generator=generator, dtype=torch.float64) * spread
+    return text + offsets + torch.randn(seeds, steps, sequences, generator=generator, dtype=torch.float64) * 0.002
 
 
-def test_released_names_every_seed_where_ten_were_released():
+def run_fails(losses: torch.Tensor, shift: float = 0.0) -> bool:
+    """Whether the band fails the last seed (moved by `shift` nats) against the others at any step."""
+    steps = losses.shape[1]
+    return any(not judge_step(losses[-1, step] + shift, losses[:-1, step], steps, 0.05, 0.1).passed
+               for step in range(steps))
+
+
+def test_a_faithful_run_fails_at_most_alpha_of_the_time_over_all_steps_and_a_departure_fails():
+    # One more exchangeable seed against five, over eight steps: the min … max rule (with no margin) fails it at
+    # each step with probability 2/6, so almost always somewhere; the band, at most alpha over all the steps.
+    generator = torch.Generator().manual_seed(0)
+    trials = [seeds_at_steps(generator, 6, 8, spread=0.02) for _ in range(400)]
+    false_fails = sum(run_fails(losses) for losses in trials) / len(trials)
+    envelope_fails = sum(any(not losses[:-1, step].mean(1).min() <= losses[-1, step].mean()
+                             <= losses[:-1, step].mean(1).max() for step in range(8)) for losses in trials) / 400
+    assert false_fails <= 0.07 and envelope_fails > 0.8
+    # A run 0.2 nats (ten seed spreads) worse fails; so does a better one.
+    assert all(run_fails(losses, 0.2) for losses in trials[:50]) and all(run_fails(losses, -0.2) for losses in
+                                                                       trials[:50])
+
+
+def test_the_band_is_never_narrower_than_the_scorings_standard_error():
+    # References that agree exactly (no spread): a run that differs only by the scoring's chance still passes, and
+    # its z is measured in that standard error.
+    generator = torch.Generator().manual_seed(1)
+    references = (3 + torch.rand(1, 64, generator=generator, dtype=torch.float64)).expand(5, 64)
+    ours = references[0] + torch.randn(64, generator=generator, dtype=torch.float64) * 0.05
+    judgement = judge_step(ours, references, 4, 0.05, 0.1)
+    assert judgement.spread == pytest.approx(0, abs=1e-12) and judgement.scale == judgement.standard_error > 0
+    assert judgement.passed and judgement.z == pytest.approx((ours.mean() - references[0].mean()).item()
+                                                             / judgement.standard_error)
+    # One reference: no spread to judge by, the tolerance around it.
+    single = judge_step(ours, references[:1], 4, 0.05, 0.1)
+    assert single.spread is None and (single.low, single.high) == pytest.approx(
+        (references[0].mean().item() - 0.1, references[0].mean().item() + 0.1))
+
+
+def test_the_verdict_names_the_first_step_out_which_side_and_each_phase():
+    rows = [{"step": 0, "early": True, "ours": 7.0, "low": 6.9, "high": 7.1, "passed": True, "spread": 0.01,
+             "z": 0.1, "critical": 3.0},
+            {"step": 512, "early": True, "ours": 4.0, "low": 3.5, "high": 3.8, "passed": False, "spread": 0.05,
+             "z": 5.2, "critical": 3.0},
+            {"step": 1000, "early": False, "ours": 3.0, "low": 3.2, "high": 3.4, "passed": False, "spread": 0.05,
+             "z": -4.1, "critical": 3.0}]
+    phases = {"early": phase_verdict(rows[:2]), "late": phase_verdict(rows[2:])}
+    text = verdict({"rows": rows, "passed": False, "bounds": "the band", "phases": phases})
+    assert text.startswith("FAIL at step 512: our held-out loss 4.0000 lies above 3.5000 … 3.8000, the band, "
+                           "z = +5.20 where |z| ≤ 3.00 passes (early steps (≤ 512): FAIL from step 512; late steps: "
+                           "FAIL from step 1000)")
+    passed = verdict({"rows": rows[:1], "passed": True, "bounds": "the reference ± 0.1 nats",
+                      "phases": {"early": phase_verdict(rows[:1]), "late": phase_verdict([])}})
+    assert passed == ("PASS: at every step compared (0) our held-out loss lies within the reference ± 0.1 nats "
+                      "(early steps (≤ 512): pass).")
+
+
+def test_a_budget_sizes_the_sequences_from_a_timed_load_and_scoring(tiny_model):
+    assert [parse_budget(text) for text in ("10m", "90s", "1.5h", "30")] == [600, 90, 5400, 30]
+    with pytest.raises(UserError, match="cannot read --budget 'soon'"):
+        parse_budget("soon")
+    probe = torch.randint(0, 64, (4, 9))
+    plan = plan_scoring(lambda: tiny_model, probe, models=6, extra_sequences=2, budget_seconds=60.0, sequences=None,
+                        micro_batch_size=2, device=torch.device("cpu"), dtype=torch.float32)
+    per_sequence = plan.sequence_seconds * (6 + 2)
+    assert plan.sequences >= 1 and plan.predicted_seconds <= 60.0 + per_sequence
+    assert plan.predicted_seconds == pytest.approx(6 * plan.load_seconds + plan.sequences * per_sequence)
+    assert 60.0 - plan.predicted_seconds < per_sequence  # the budget is spent, not left over
+    given = plan_scoring(lambda: tiny_model, probe, models=6, extra_sequences=2, budget_seconds=60.0, sequences=3,
+                         micro_batch_size=2, device=torch.device("cpu"), dtype=torch.float32)
+    assert given.sequences == 3
+
+
+def test_released_names_every_seed_where_ten_were_released_and_the_deduplicated_model():
     assert released_references("pythia-160m") == ["EleutherAI/pythia-160m"] + [
         f"EleutherAI/pythia-160m-seed{seed}" for seed in range(1, 10)]
     assert released_references("pythia-1b") == ["EleutherAI/pythia-1b"]
+    assert released_references("pythia-160m", deduped=True) == ["EleutherAI/pythia-160m-deduped"]
 
 
 def test_scoring_runs_in_the_recipes_precision_on_a_gpu_and_fp32_on_the_cpu():
@@ -144,12 +214,17 @@ def test_scoring_runs_in_the_recipes_precision_on_a_gpu_and_fp32_on_the_cpu():
     assert scoring_dtype("bf16", torch.device("cpu"), "fp16") == torch.bfloat16
 
 
-def fake_run(folder, model: GPTNeoXForCausalLM, steps: int = 4, **resolved) -> str:
-    """A folder laid out as a Pythia run that finished after `steps` steps: its final model, options and summary."""
+def fake_run(folder, model: GPTNeoXForCausalLM, steps: int = 4, data: str = "pile/document", tokenizer=None,
+             **resolved) -> str:
+    """A folder laid out as a Pythia run that finished after `steps` steps: its final model (and `tokenizer`, saved
+    beside it as the recipe does), options and summary."""
     model.save_pretrained(folder / "final")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder / "final")
     facts = {"seq_len": 32, "global_batch_size": 8, "max_steps": steps, "vocab_size": model.config.vocab_size,
              **resolved}
-    options = {"resolved": facts, "training": {"size": "pythia-14m", "data": "pile/document", "tokenizer": None}}
+    options = {"resolved": facts, "training": {"size": "pythia-14m", "data": data,
+                                               "tokenizer": None if tokenizer is None else str(folder / "final")}}
     (folder / "final" / "cram_options.json").write_text(json.dumps(options))
     (folder / "summary.json").write_text(json.dumps({"optimizer_steps": steps}))
     return str(folder)
@@ -160,30 +235,113 @@ def fake_run(folder, model: GPTNeoXForCausalLM, steps: int = 4, **resolved) -> s
     ({"global_batch_size": 16}, "our run's global batch is 8 and the reference"),
     ({"max_steps": 6}, "schedule"),
     ({"seq_len": 16}, "sequence length is 32"),
+    ({"first_batch": "another-order"}, "trained on other data or in another order"),
 ])
 def test_a_reference_of_another_recipe_or_vocabulary_is_refused_before_any_scoring(tmp_path, tiny_model, change,
                                                                                    message):
-    ours = fake_run(tmp_path / "ours", tiny_model)
+    ours = fake_run(tmp_path / "ours", tiny_model, first_batch="our-order")
     other = copy.deepcopy(tiny_model)
     if "vocab_size" in change:
         other.resize_token_embeddings(change["vocab_size"])
-    theirs = fake_run(tmp_path / "theirs", other, **{key: value for key, value in change.items()
-                                                     if key != "max_steps"})
+    theirs = fake_run(tmp_path / "theirs", other, **{"first_batch": "our-order",
+                                                     **{key: value for key, value in change.items()
+                                                        if key != "max_steps"}})
     if "max_steps" in change:  # the same step kept, of a longer schedule
         options = json.loads((tmp_path / "theirs" / "final" / "cram_options.json").read_text())
         options["resolved"]["max_steps"] = change["max_steps"]
         (tmp_path / "theirs" / "final" / "cram_options.json").write_text(json.dumps(options))
     with pytest.raises(UserError, match=f"cannot compare: .*{message}"):
-        replication.main([ours, "--reference", theirs, "--data", "unread", "--output", str(tmp_path / "out")])
+        replication.main([ours, "--reference", theirs, "--data", "unread", "--heldout", "unread", "--output",
+                          str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
 
 
+def test_a_run_on_deduplicated_data_is_refused_the_standard_releases(tmp_path, tiny_model):
+    ours = fake_run(tmp_path / "ours", tiny_model, data="pile-deduped/document")
+    with pytest.raises(UserError, match="deduplicated data.*give --reference released-deduped"):
+        replication.main([ours, "--reference", "released", "--data", "unread", "--heldout", "unread"])
+
+
 @pytest.mark.parametrize("option, message", [(["--sequences", "-5"], "--sequences -5 scores nothing"),
-                                             (["--micro-batch-size", "0"], "--micro-batch-size 0")])
+                                             (["--micro-batch-size", "0"], "--micro-batch-size 0"),
+                                             (["--alpha", "1.5"], "--alpha 1.5"),
+                                             (["--budget", "0m"], "cannot read --budget '0m'")])
 def test_a_count_that_scores_nothing_is_refused(tmp_path, tiny_model, option, message):
     ours = fake_run(tmp_path / "ours", tiny_model)
     with pytest.raises(UserError, match=message):
-        replication.main([ours, "--reference", ours, "--data", "unread", *option])
+        replication.main([ours, "--reference", ours, "--data", "unread", "--heldout", "unread", *option])
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory, english_texts) -> SimpleNamespace:
+    """A 300-token byte-level BPE, 40 documents of real English as a Megatron file, and 20 others as a held-out
+    file laid out as the Pile's validation split (val.jsonl.zst)."""
+    from cram.data.megatron import tokenized_documents, write_megatron
+    from cram.data.tokenizer import train_byte_level_bpe
+
+    folder = tmp_path_factory.mktemp("replication-data")
+    tokenizer = train_byte_level_bpe(iter(english_texts[:60]), 300, lowercase=False, model_max_length=2048)
+    write_megatron(folder / "document", tokenized_documents(english_texts[:40], tokenizer))
+    write_pile_split(folder / "val.jsonl.zst", english_texts[40:60])
+    other = train_byte_level_bpe(iter(english_texts[100:160]), 300, lowercase=False, model_max_length=2048)
+    return SimpleNamespace(prefix=str(folder / "document"), heldout=str(folder / "val.jsonl.zst"),
+                           tokenizer=tokenizer, other_tokenizer=other)
+
+
+def write_pile_split(path: Path, texts: list[str]) -> None:
+    """JSON lines of {"text", "meta": {"pile_set_name"}}, zstandard-compressed: the Pile's val.jsonl.zst layout."""
+    import zstandard
+
+    lines = "".join(json.dumps({"text": text, "meta": {"pile_set_name": "Pile-CC"}}) + "\n" for text in texts)
+    path.write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
+
+
+def small_model(seed: int) -> GPTNeoXForCausalLM:
+    torch.manual_seed(seed)
+    return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=320, hidden_size=16, num_hidden_layers=2,
+                                            num_attention_heads=2, intermediate_size=32, max_position_embeddings=64))
+
+
+def test_data_that_is_not_the_runs_and_another_tokenizer_are_refused(tmp_path, small_data):
+    from cram.data.causal import first_batch_fingerprint, load_causal_data
+
+    ours = fake_run(tmp_path / "ours", small_model(0), tokenizer=small_data.tokenizer, first_batch="not-this-data")
+    with pytest.raises(UserError, match="is not the data our run trained on, in its order"):
+        replication.main([ours, "--reference", ours, "--data", small_data.prefix, "--heldout", small_data.heldout])
+    digest = first_batch_fingerprint(load_causal_data(small_data.prefix, 32, 320, str(tmp_path / "ours" / "final"),
+                                                      None, 4 * 8).sequences, 8)
+    ours = fake_run(tmp_path / "ours-2", small_model(0), tokenizer=small_data.tokenizer, first_batch=digest)
+    theirs = fake_run(tmp_path / "theirs", small_model(1), tokenizer=small_data.other_tokenizer, first_batch=digest)
+    with pytest.raises(UserError, match="tokenizer maps text to other ids than our run's"):
+        replication.main([ours, "--reference", theirs, "--data", small_data.prefix, "--heldout", small_data.heldout])
+
+
+def test_the_check_scores_held_out_text_and_the_next_batch_and_says_its_time_first(tmp_path, small_data, capsys):
+    from cram.data.causal import first_batch_fingerprint, load_causal_data
+
+    tokenizer_folder = tmp_path / "tokenizer"
+    small_data.tokenizer.save_pretrained(tokenizer_folder)
+    digest = first_batch_fingerprint(load_causal_data(small_data.prefix, 32, 320, str(tokenizer_folder), None,
+                                                      4 * 8).sequences, 8)
+    runs = [fake_run(tmp_path / f"seed{seed}", small_model(seed), tokenizer=small_data.tokenizer, first_batch=digest)
+            for seed in range(4)]
+    references = [argument for run in runs[1:] for argument in ("--reference", run)]
+    status = replication.main([runs[0], *references, "--data", small_data.prefix, "--heldout", small_data.heldout,
+                               "--sequences", "12", "--output", str(tmp_path / "out")])
+    printed = capsys.readouterr().out
+    assert printed.index("scoring 12 held-out sequences of 33 tokens") < printed.index("# Replication")
+    assert "predicted" in printed.split("# Replication")[0]
+    result = json.loads((tmp_path / "out" / "replication.json").read_text())
+    assert status == (0 if result["passed"] else 1)
+    (row,) = result["rows"]
+    assert row["step"] == 4 and len(row["references"]) == 3 and row["spread"] > 0 and row["standard_error"] > 0
+    assert row["z"] == pytest.approx((row["ours"] - row["mean"]) / max(row["spread"] * (1 + 1 / 3) ** 0.5,
+                                                                        row["standard_error"]))
+    assert result["heldout"]["sequences"] == 12 and result["heldout"]["tokens_per_sequence"] == 33
+    # The next batch of step 4 is sequences [32, 40), past the 4 × 8 the run read: the index is the run's own, so
+    # it is not scored as if it were the next batch.
+    assert row["next_batch"] is None or row["next_batch"]["first_sequence"] == 32
+    assert result["phases"]["early"]["steps"] == [4] and result["phases"]["late"]["passed"] is None
 
 
 def test_references_are_scored_with_the_activation_they_trained_with(tmp_path, tiny_model, monkeypatch):
@@ -191,9 +349,15 @@ def test_references_are_scored_with_the_activation_they_trained_with(tmp_path, t
     ours = fake_run(tmp_path / "ours", tiny_model)
     theirs = fake_run(tmp_path / "theirs", tiny_model)
     scored = []
-    monkeypatch.setattr(replication, "load_causal_data", lambda *args: SimpleNamespace(sequences=None))
-    monkeypatch.setattr(replication, "batch_loss", lambda model, *args: scored.append(model.config.hidden_act) or 1.0)
-    result = replication.compare(replication.read_run(Path(ours)), [Revisions(theirs)], [4], "unread", None, None)
+
+    def losses(model, tokens, *args):
+        scored.append(model.config.hidden_act)
+        return torch.ones(len(tokens), dtype=torch.float64)
+
+    monkeypatch.setattr(replication, "sequence_losses", losses)
+    heldout = SimpleNamespace(sequences=torch.zeros(2, 9, dtype=torch.int64), path=Path("unread"), documents=1,
+                              fingerprint="none")
+    result = compare(replication.read_run(Path(ours)), [Revisions(theirs)], [4], heldout, {})
     assert scored == ["gelu", "gelu_fast"]  # ours as saved, then the reference
     assert result["reference_activation"] == "gelu_fast"
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -39,6 +40,7 @@ def t_two_sided_probability(t: float, degrees: int) -> float:
     return math.sin(theta) * total
 
 
+@cache
 def t_quantile_two_sided(tail: float, degrees: int) -> float:
     """The t with P(|T| > t) = `tail` for Student's T with integer `degrees` ≥ 1 (bisection on the angle θ,
     t = √ν tan θ, over which P(|T| ≤ t) rises monotonically)."""
