@@ -131,17 +131,20 @@ pythia-smoke: setup
 	done
 
 # A run against the released models, step by step, with a verdict (cram/eval/replication.py): exit status 1 names
-# the first step out of bounds. REFERENCE=released (the default) is the released seeds of the run's size; else one
-# or more Hub names or folders of stepN revisions; TOKENIZER unset: the run's. E.g.
-# `make pythia-replicate RUN=runs/pythia-160m-4xa100 DATA=pile/document STEPS=0,1000,2000`.
+# the first step out of the band the seeds' spread gives. REFERENCE=released (the default) is the released seeds of
+# the run's size (released-deduped: its deduplicated-Pile model); else one or more Hub names or folders of stepN
+# revisions; HELDOUT is the held-out text every model scores (a local copy of the Pile's val.jsonl.zst); BUDGET
+# (default 10m) the time the scoring may take; TOKENIZER unset: the run's. E.g.
+# `make pythia-replicate RUN=runs/pythia-160m-4xa100 DATA=pile/document HELDOUT=pile/val.jsonl.zst STEPS=0,1000,2000`.
 REFERENCE ?= released
 .PHONY: pythia-replicate
 pythia-replicate: pythia-data
 	@test -n "$(RUN)" || { echo "error: pass RUN=OUTPUT_DIR, the --output-dir of a run of recipes/pythia.py." >&2; exit 2; }
+	@test -n "$(HELDOUT)" || { echo "error: pass HELDOUT=PATH, held-out text for every model to score (a local copy of the Pile's validation split, val.jsonl.zst)." >&2; exit 2; }
 	@$(MAKE) --no-print-directory setup
 	$(BIN)/python -m cram.eval.replication $(RUN) $(foreach reference,$(REFERENCE),--reference $(reference)) \
-		--data $(DATA) $(if $(filter command line environment,$(origin TOKENIZER)),--tokenizer $(TOKENIZER)) \
-		$(if $(STEPS),--steps $(STEPS)) $(if $(DEVICE),--device $(DEVICE))
+		--data $(DATA) --heldout $(HELDOUT) $(if $(filter command line environment,$(origin TOKENIZER)),--tokenizer $(TOKENIZER)) \
+		$(if $(STEPS),--steps $(STEPS)) $(if $(BUDGET),--budget $(BUDGET)) $(if $(DEVICE),--device $(DEVICE))
 
 # The planner: which configuration trains MODEL fastest on the hardware ACCEL_CONFIG describes, and what the run costs.
 MODEL ?= pythia-1b

@@ -54,6 +54,19 @@ def megatron_data(tmp_path_factory, english_texts) -> tuple[Path, Path]:
     return folder / "document", folder / "tokenizer"
 
 
+@pytest.fixture(scope="module")
+def heldout_file(tmp_path_factory, english_texts) -> Path:
+    """30 documents the runs never read (they train on the first 100), as the Pile ships its validation split:
+    zstandard-compressed JSON lines of {"text", "meta": {"pile_set_name"}}."""
+    import zstandard
+
+    lines = "".join(json.dumps({"text": text, "meta": {"pile_set_name": "Pile-CC"}}) + "\n"
+                    for text in english_texts[100:130])
+    path = tmp_path_factory.mktemp("pile-val") / "val.jsonl.zst"
+    path.write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
+    return path
+
+
 def recipe_arguments(data: tuple[Path, Path], output_dir: Path, micro_batch_size: int, *extra) -> list:
     prefix, tokenizer = data
     return [RECIPE, *RUN, "--data", prefix, "--tokenizer", tokenizer, "--micro-batch-size", str(micro_batch_size),
@@ -244,13 +257,16 @@ def states_only(run: Path, folder: Path) -> Path:
     return folder
 
 
+HELDOUT_SEQUENCES = "16"  # of 33 tokens: a fixed count, so the check's time does not depend on the machine's speed
+
+
 def replication(*arguments) -> tuple[int, dict]:
     """The check's command run in this process (a process of its own would add only its imports: our model and the
-    references are scored alike here, in one process): its exit status and its replication.json. The launched
-    command's exit status is the Hub test's below."""
+    references are scored alike here, in one process), on 16 held-out sequences: its exit status and its
+    replication.json. The launched command's exit status is the Hub test's below."""
     from cram.eval.replication import main
 
-    arguments = [str(argument) for argument in arguments]
+    arguments = [str(argument) for argument in arguments] + ["--sequences", HELDOUT_SEQUENCES]
     status = main(arguments)
     output = Path(arguments[arguments.index("--output") + 1])
     return status, json.loads((output / "replication.json").read_text())
@@ -259,14 +275,15 @@ def replication(*arguments) -> tuple[int, dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ["zero1", "zero3"])
 def test_the_replication_check_reads_deepspeed_states_and_passes_a_run_against_itself(
-    tmp_path, megatron_data, zero1_pushed, zero3_resumed, stage
+    tmp_path, megatron_data, heldout_file, zero1_pushed, zero3_resumed, stage
 ):
     from cram.eval.run_models import Revisions
 
     run = {"zero1": zero1_pushed, "zero3": zero3_resumed}[stage][0]
     prefix, _ = megatron_data
     # Every step the run kept, from its revisions.
-    status, result = replication(run, "--reference", run, "--data", prefix, "--output", tmp_path / "self")
+    status, result = replication(run, "--reference", run, "--data", prefix, "--heldout", heldout_file,
+                                 "--output", tmp_path / "self")
     assert status == 0 and result["passed"] and result["first_failed_step"] is None
     assert [row["step"] for row in result["rows"]] == [0, 1, 2, 4, 5] and result["skipped_steps"] == []
     assert all(row["ours"] == row["references"][0] for row in result["rows"])
@@ -279,26 +296,30 @@ def test_the_replication_check_reads_deepspeed_states_and_passes_a_run_against_i
         for (name, tensor), (_, expected) in zip(consolidated.state_dict().items(), exported.state_dict().items(),
                                                  strict=True):
             torch.testing.assert_close(tensor, expected, rtol=0, atol=0, msg=f"{stage} step {step} {name}")
-    status, result = replication(view, "--reference", run, "--data", prefix, "--output", tmp_path / "states-check")
+    status, result = replication(view, "--reference", run, "--data", prefix, "--heldout", heldout_file,
+                                 "--output", tmp_path / "states-check")
     assert status == 0 and [row["step"] for row in result["rows"]] == [2, 4, 5]
     assert all(row["ours"] == pytest.approx(row["references"][0], abs=1e-6) for row in result["rows"])
 
 
 @pytest.mark.slow
-def test_the_replication_check_fails_a_wrong_run_at_its_first_step_out(tmp_path, megatron_data, zero3_resumed,
-                                                                       wrong_run):
+def test_the_replication_check_fails_a_wrong_run_at_its_first_step_out(tmp_path, megatron_data, heldout_file,
+                                                                       zero3_resumed, wrong_run):
     # One stage suffices here: reading each stage's states is the test above's, and the envelope test below fails
     # the wrong run against references of the other runs.
     run = zero3_resumed[0]
     prefix, _ = megatron_data
-    status, result = replication(wrong_run, "--reference", run, "--data", prefix, "--output", tmp_path / "wrong")
+    status, result = replication(wrong_run, "--reference", run, "--data", prefix, "--heldout", heldout_file,
+                                 "--output", tmp_path / "wrong")
     assert status == 1 and not result["passed"] and result["first_failed_step"] == 2
     assert [row["passed"] for row in result["rows"][:3]] == [True, True, False]  # the same init until step 2
-    assert result["verdict"].startswith("FAIL at step 2: our loss ")
+    assert result["verdict"].startswith("FAIL at step 2: our held-out loss ")
+    assert "the reference ± 0.1 nats (one reference: no spread to judge by)" in result["verdict"]
     assert "FAIL at step 2" in (tmp_path / "wrong" / "replication.md").read_text()
     # The other way round: the ZeRO-3 run's states judged against the wrong run as the reference.
     view = states_only(run, tmp_path / "states")
-    status, result = replication(view, "--reference", wrong_run, "--data", prefix, "--output", tmp_path / "back")
+    status, result = replication(view, "--reference", wrong_run, "--data", prefix, "--heldout", heldout_file,
+                                 "--output", tmp_path / "back")
     assert status == 1 and result["first_failed_step"] == 2
 
 
@@ -322,33 +343,36 @@ def seed_stand_ins(run: Path, folder: Path, seeds: int) -> list[Path]:
 
 
 @pytest.mark.slow
-def test_the_envelope_of_several_seeds_passes_a_run_within_it_and_fails_one_outside(
-    tmp_path, megatron_data, single_process, zero1_pushed, wrong_run
+def test_the_band_of_several_seeds_passes_a_run_within_it_and_fails_one_outside(
+    tmp_path, megatron_data, heldout_file, single_process, zero1_pushed, wrong_run
 ):
     from cram.eval.run_models import Revisions
+    from cram.eval.seed_band import t_quantile_two_sided
 
     seeds = seed_stand_ins(single_process, tmp_path / "released", 4)
     assert Revisions(str(seeds[1])).load(2).dtype == torch.float16  # read in the precision it was saved in
     prefix, _ = megatron_data
     references = [argument for seed in seeds for argument in ("--reference", seed)]
-    status, result = replication(zero1_pushed[0], *references, "--data", prefix, "--output", tmp_path / "pass")
+    status, result = replication(zero1_pushed[0], *references, "--data", prefix, "--heldout", heldout_file,
+                                 "--output", tmp_path / "pass")
     assert status == 0 and [row["step"] for row in result["rows"]] == [0, 1, 2, 4]
     assert result["skipped_steps"] == [5]  # the released stand-ins have no step 5
+    critical = t_quantile_two_sided(0.05 / 4, 3)  # 4 seeds, 4 steps tested
     for row in result["rows"]:
-        assert len(row["references"]) == 4 and max(row["references"]) - min(row["references"]) > 1e-3
-        assert (row["low"], row["high"]) == pytest.approx((min(row["references"]) - 0.05,
-                                                           max(row["references"]) + 0.05))
-    status, result = replication(wrong_run, *references, "--data", prefix, "--output", tmp_path / "fail")
-    assert status == 1 and result["first_failed_step"] == 2
-    # A margin of 0 leaves the bare envelope: a copy of the seed-0 weights in fp32 is within it, by the rounding.
-    status, result = replication(zero1_pushed[0], *references, "--data", prefix, "--margin", "0", "--output",
-                                 tmp_path / "bare")
-    assert all(row["low"] == min(row["references"]) for row in result["rows"])
+        assert len(row["references"]) == 4 and row["spread"] > 1e-4 and abs(row["z"]) <= critical
+        scale = max(row["spread"] * (1 + 1 / 4) ** 0.5, row["standard_error"])
+        assert (row["low"], row["high"]) == pytest.approx((row["mean"] - critical * scale,
+                                                           row["mean"] + critical * scale))
+        assert row["next_batch"]["first_sequence"] == 4 * row["step"]  # the batch of the step, ours and seed 0's
+    status, result = replication(wrong_run, *references, "--data", prefix, "--heldout", heldout_file, "--output",
+                                 tmp_path / "fail")
+    assert status == 1 and result["first_failed_step"] == 2 and result["rows"][2]["z"] > critical
+    assert result["phases"]["early"] == {"steps": [0, 1, 2, 4], "passed": False, "first_failed_step": 2}
 
 
 @pytest.mark.slow
 def test_the_replication_check_reads_pushed_hub_revisions_and_exits_1_naming_the_step(
-    tmp_path, recipe_env, megatron_data, zero1_pushed, wrong_run
+    tmp_path, recipe_env, megatron_data, heldout_file, zero1_pushed, wrong_run
 ):
     """The ZeRO-1 run's pushed stepN revisions served by a Hub stand-in as the reference, the command run as a user
     runs it: the wrong run fails with exit status 1, the verdict naming step 2."""
@@ -357,27 +381,30 @@ def test_the_replication_check_reads_pushed_hub_revisions_and_exits_1_naming_the
     with HubStandIn() as hub:
         hub.repos = pushed.repos
         command = [sys.executable, "-m", "cram.eval.replication", wrong_run, "--reference", "lab/pythia-tiny",
-                   "--data", prefix, "--output", tmp_path / "hub"]
+                   "--data", prefix, "--heldout", heldout_file, "--sequences", HELDOUT_SEQUENCES, "--output",
+                   tmp_path / "hub"]
         environment = {**recipe_env, "HF_ENDPOINT": hub.endpoint, "HF_HUB_CACHE": str(tmp_path / "hub-cache")}
         environment.pop("HF_HUB_OFFLINE", None)
         completed = run(command, env=environment)
     assert completed.returncode == 1, completed.stderr[-3000:]
-    assert "FAIL at step 2: our loss" in completed.stdout
+    assert "FAIL at step 2: our held-out loss" in completed.stdout
     result = json.loads((tmp_path / "hub" / "replication.json").read_text())
     assert [row["step"] for row in result["rows"]] == [0, 1, 2, 4] and result["references"] == ["lab/pythia-tiny"]
 
 
 @pytest.mark.slow
-def test_make_pythia_replicate_prints_a_verdict_on_a_run(tmp_path, recipe_env, megatron_data, zero1_pushed,
-                                                          zero3_resumed):
+def test_make_pythia_replicate_prints_a_verdict_on_a_run(tmp_path, recipe_env, megatron_data, heldout_file,
+                                                          zero1_pushed, zero3_resumed):
     """The CPU stand-in of `make pythia-replicate` on a run's output: the ZeRO-3 run against the ZeRO-1 one."""
     prefix, _ = megatron_data
     venv = Path(sys.executable).parent.parent
     completed = run(["make", "--no-print-directory", "pythia-replicate", f"RUN={zero3_resumed[0]}",
-         f"REFERENCE={zero1_pushed[0]}", f"DATA={prefix}", f"VENV={venv}"],
+         f"REFERENCE={zero1_pushed[0]}", f"DATA={prefix}", f"HELDOUT={heldout_file}", "BUDGET=20s",
+         f"VENV={venv}"],
                     cwd=REPO, env=recipe_env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "PASS: at every step compared (0, 1, 2, 4, 5)" in completed.stdout
+    assert "predicted" in completed.stdout.split("# Replication")[0]  # the time, said before the scoring
 
 
 @pytest.fixture(scope="module")

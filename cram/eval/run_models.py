@@ -15,7 +15,6 @@ from safetensors.torch import load_file
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
-    AutoTokenizer,
     GPTNeoXForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
@@ -154,17 +153,24 @@ class Revisions:
         return AutoConfig.from_pretrained(path if kind == "revision" else self.config_folder(), **overrides)
 
     def tokenizer_digest(self, step: int) -> str | None:
-        """A digest of the tokenizer kept with the model at `step` (its vocabulary, token to id), or None where none
-        was kept or it cannot be read (a training state, an unreachable Hub)."""
+        """A digest of the tokenizer kept with the model at `step` (its tokenizer.json's vocabulary, token to id,
+        added tokens included), or None where none was kept or it cannot be read (a training state, a Hub out of
+        reach)."""
+        from tokenizers import Tokenizer
+
         kind, path = self.found()[step]
         if kind == "state":
             return None
-        try:
-            tokenizer = (AutoTokenizer.from_pretrained(self.location, revision=f"step{step}") if kind == "hub"
-                         else AutoTokenizer.from_pretrained(path))
-        except Exception:  # noqa: BLE001 - no tokenizer kept there is not an error: the vocabulary size still is
+        if kind == "hub":
+            from huggingface_hub import hf_hub_download
+
+            try:
+                path = Path(hf_hub_download(self.location, "tokenizer.json", revision=f"step{step}")).parent
+            except Exception:  # noqa: BLE001 - no tokenizer kept there is not an error: the vocabulary size still is
+                return None
+        if not (path / "tokenizer.json").is_file():
             return None
-        vocabulary = sorted(tokenizer.get_vocab().items())
+        vocabulary = sorted(Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab(with_added_tokens=True).items())
         return hashlib.sha256(json.dumps(vocabulary).encode()).hexdigest()[:16]
 
     def load(self, step: int, **overrides) -> PreTrainedModel:
