@@ -344,6 +344,32 @@ def test_the_check_scores_held_out_text_and_the_next_batch_and_says_its_time_fir
     assert result["phases"]["early"]["steps"] == [4] and result["phases"]["late"]["passed"] is None
 
 
+def test_the_check_reads_the_data_through_the_index_the_run_built(tmp_path, small_data):
+    # GPT-NeoX's index of a document-level file depends on the sequences asked for: its epochs, and whether the last
+    # is shuffled apart. A run of one sequence a step whose schedule ends just before the order changes: an index
+    # sized one sequence longer (the step after the last) reads another first batch, which the check must not build.
+    from cram.data.causal import first_batch_fingerprint, load_causal_data
+
+    tokenizer_folder = tmp_path / "tokenizer"
+    small_data.tokenizer.save_pretrained(tokenizer_folder)
+
+    def first_batch(sequences: int) -> str:
+        data = load_causal_data(small_data.prefix, 32, 320, str(tokenizer_folder), None, sequences)
+        return first_batch_fingerprint(data.sequences, 1)
+
+    one_epoch = len(load_causal_data(small_data.prefix, 32, 320, str(tokenizer_folder), None, 1).sequences)
+    low, high = one_epoch, 2 * one_epoch
+    assert first_batch(low) != first_batch(high)
+    while high - low > 1:  # the last length of the first order
+        middle = (low + high) // 2
+        low, high = (middle, high) if first_batch(middle) == first_batch(low) else (low, middle)
+    ours = fake_run(tmp_path / "ours", small_model(0), steps=low, tokenizer=small_data.tokenizer,
+                    global_batch_size=1, first_batch=first_batch(low))
+    status = replication.main([ours, "--reference", ours, "--data", small_data.prefix, "--heldout",
+                               small_data.heldout, "--sequences", "2", "--output", str(tmp_path / "out")])
+    assert status == 0
+
+
 def test_references_are_scored_with_the_activation_they_trained_with(tmp_path, tiny_model, monkeypatch):
     # The released config.json files say "gelu"; the references must run gelu_fast (bias_gelu), ours as it was built.
     ours = fake_run(tmp_path / "ours", tiny_model)
