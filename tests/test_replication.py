@@ -192,9 +192,9 @@ def test_a_budget_sizes_the_sequences_from_a_timed_load_and_scoring(tiny_model):
     plan = plan_scoring(lambda: tiny_model, probe, models=6, extra_sequences=2, budget_seconds=60.0, sequences=None,
                         micro_batch_size=2, device=torch.device("cpu"), dtype=torch.float32)
     per_sequence = plan.sequence_seconds * (6 + 2)
-    assert plan.sequences >= 1 and plan.predicted_seconds <= 60.0 + per_sequence
-    assert plan.predicted_seconds == pytest.approx(6 * plan.load_seconds + plan.sequences * per_sequence)
-    assert 60.0 - plan.predicted_seconds < per_sequence  # the budget is spent, not left over
+    assert plan.sequences >= 1 and plan.predicted_seconds() <= 60.0 + per_sequence
+    assert plan.predicted_seconds() == pytest.approx(6 * plan.load_seconds + plan.sequences * per_sequence)
+    assert 60.0 - plan.predicted_seconds() < per_sequence  # the budget is spent, not left over
     given = plan_scoring(lambda: tiny_model, probe, models=6, extra_sequences=2, budget_seconds=60.0, sequences=3,
                          micro_batch_size=2, device=torch.device("cpu"), dtype=torch.float32)
     assert given.sequences == 3

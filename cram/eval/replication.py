@@ -260,12 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"scoring {count:,} held-out sequences of {run.seq_len + 1} tokens ({heldout.describe()}) with "
           f"{len(references) + 1} models at {len(steps)} steps, and the next batch with ours and "
           f"{locations[0]}, on {device} in {str(dtype).removeprefix('torch.')}: predicted "
-          f"{format_seconds(plan.predicted_seconds)} (--budget {args.budget}; a model load {plan.load_seconds:.1f} s "
-          "as ours took, downloads not counted)", flush=True)
+          f"{format_seconds(plan.predicted_seconds(count))} (--budget {args.budget}; a model load "
+          f"{plan.load_seconds:.1f} s as ours took, downloads not counted)", flush=True)
     result = compare(run, references, steps, heldout, next_batches, alpha=args.alpha, tolerance=args.tolerance,
                      device=device, dtype=dtype, micro_batch_size=args.micro_batch_size)
     result["skipped_steps"] = skipped
-    result["predicted_seconds"] = plan.predicted_seconds
+    result["predicted_seconds"] = plan.predicted_seconds(count)
     output = Path(args.output) if args.output else run.folder / "replication"
     write_report(result, output)
     print((output / "replication.md").read_text())

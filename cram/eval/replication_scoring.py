@@ -78,9 +78,15 @@ class ScoringPlan:
     """How many held-out sequences each model scores, and the seconds that is predicted to take."""
 
     sequences: int
-    predicted_seconds: float
     load_seconds: float  # one model's load, measured on ours
     sequence_seconds: float  # one sequence's scoring, measured on ours
+    models: int  # model loads, each scoring the held-out sequences
+    extra_sequences: int  # sequences scored besides, per held-out sequence (the next-batch column)
+
+    def predicted_seconds(self, sequences: int | None = None) -> float:
+        """The predicted seconds of scoring `sequences` held-out sequences (unset: the planned count)."""
+        count = self.sequences if sequences is None else sequences
+        return self.models * self.load_seconds + count * self.sequence_seconds * (self.models + self.extra_sequences)
 
 
 def plan_scoring(load: Callable[[], PreTrainedModel], probe: torch.Tensor, *, models: int, extra_sequences: int,
@@ -98,7 +104,7 @@ def plan_scoring(load: Callable[[], PreTrainedModel], probe: torch.Tensor, *, mo
     sequence_losses(model, probe, micro_batch_size, device, dtype)
     sequence_seconds = (time.perf_counter() - started) / len(probe)
     del model
-    per_sequence = sequence_seconds * (models + extra_sequences)
     if sequences is None:
+        per_sequence = sequence_seconds * (models + extra_sequences)
         sequences = max(1, math.floor((budget_seconds - models * load_seconds) / per_sequence))
-    return ScoringPlan(sequences, models * load_seconds + sequences * per_sequence, load_seconds, sequence_seconds)
+    return ScoringPlan(sequences, load_seconds, sequence_seconds, models, extra_sequences)
