@@ -90,8 +90,8 @@ class PlanOptions:
     candidate_timeout: float | None = option(
         None, "seconds every launch may take before it counts as hung (unset: each launch's own limit, "
               f"{LIMIT_FACTOR:g} × its predicted time, said before the first launch)")
-    dry_run: bool = option(False, "say the candidates, the sweep's length and each launch's time limit, then stop "
-                                  "before the first launch")
+    dry_run: bool = option(False, "say the candidates, the sweep's length, each launch's time limit and how the run's "
+                                  "revisions count in its days, then stop before the first launch")
     retry_failed: bool = option(False, "measure again the candidates whose cached result is a failure")
     paired_rounds: int = option(
         3, "rounds in which the sweep's leaders are timed again side by side, interleaved, before the pick (each "

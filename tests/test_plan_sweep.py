@@ -213,7 +213,8 @@ def test_the_sweep_says_its_length_before_the_first_launch(tmp_path, measured):
     # 5 timed steps and a save; then the 2 leaders × 3 rounds of a build, 1 + 2 steps and a save, and a verification
     # of a build, 1 + 10 steps and a save: 9 launches, 2 × 7 + 7 = 21 builds, 24 + 18 + 11 = 53 steps, 9 saves.
     to_launch = [Candidate("zero1"), Candidate("zero2")]
-    line = sweep_length(to_launch, 0, 1, setting, LaunchLimits(costs, 60.0), paired_rounds=3, verify_steps=10)
+    line = sweep_length(to_launch, 0, 1, setting, LaunchLimits(costs, 60.0), paired_rounds=3, verify_steps=10,
+                        mixed_precision=False)
     assert "then 7 launch(es)" in line
     assert "at most 9 launches, 21 model builds, 53 optimizer steps and 9 saves" in line
     # 9 × 20 s of start-up + 21 × 3 s + 53 × 2 s + 9 × 1 s = 358 s.
@@ -221,7 +222,8 @@ def test_the_sweep_says_its_length_before_the_first_launch(tmp_path, measured):
         line)
     assert "each launch may take 60 s (--candidate-timeout)" in line
     assert line.endswith("--candidates NAME,NAME measures fewer")
-    assert "no step time can be predicted" in sweep_length([], 2, 0, setting, LaunchLimits.fixed(60), 0, 0)
+    assert "revisions" not in line  # crammed BERT's budget has none
+    assert "no step time can be predicted" in sweep_length([], 2, 0, setting, LaunchLimits.fixed(60), 0, 0, False)
 
 
 def test_pythia_12b_on_eight_a100s_gets_each_launchs_time_limit_from_its_predicted_length(tmp_path, monkeypatch):
@@ -252,6 +254,13 @@ def test_pythia_12b_on_eight_a100s_gets_each_launchs_time_limit_from_its_predict
     shown = f"{format_duration(min(seconds.values()))} to {format_duration(max(seconds.values()))}"
     assert f"a candidate's launch may take {shown} (3 × its predicted time" in said[0]
     assert "--candidate-timeout SECONDS sets one limit for all" in said[0]
+    # The run's revisions, as the days will count them: Pythia's 154 checkpoint steps, each the model alone at its
+    # share of a measured save (bf16 DeepSpeed weights beside 12 bytes of fp32 state; FSDP's fp32 weights beside
+    # Adam's 8), at the predicted 170 s a save: 154 × 170 s × 2/14 = 62 min, × 4/12 = 2.4 h.
+    assert ("the run's days will count its 154 revisions (the model alone, saved at pythia-12b's checkpoint steps) "
+            "each at its share of the candidate's measured training-state save, the model's bytes over the state's: "
+            "2/14 under DeepSpeed, 4/12 under DDP and FSDP, about 62 min to 2.4 h in all at the predicted save") in (
+        said[0])
     # The sweep hands each launch its own limit; --candidate-timeout replaces them all.
     given: dict[str, float] = {}
     monkeypatch.setattr(sweep_module, "search_and_time", lambda request, accelerate_file, request_file, timeout: (

@@ -22,6 +22,11 @@ def steps_between_time_saves(step_seconds: float, every_seconds: float) -> int |
     return max(1, math.ceil(every_seconds / step_seconds))
 
 
+def revisions_in_step_run(steps: int, scheduled: Collection[int]) -> int:
+    """The scheduled saves (Pythia's revisions) a run of `steps` optimizer steps writes: those within it, once each."""
+    return len({step for step in scheduled if 0 <= step <= steps})
+
+
 def saves_in_step_run(steps: int, step_seconds: float, scheduled: Collection[int], every_seconds: float) -> int:
     """Training-state saves in a run of `steps` optimizer steps: the scheduled steps within it, plus the time-based
     ones between them. A scheduled save restarts the timer, and a time-based save due at a scheduled step is that

@@ -6,7 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 
 from cram.plan.cost import SECONDS_PER_DAY, amortised_cost, analytic_days, cloud_cost
-from cram.plan.days import ramp_steps, saves_in_budget, saves_in_step_run, training_seconds_in_budget
+from cram.plan.days import (
+    ramp_steps,
+    revisions_in_step_run,
+    saves_in_budget,
+    saves_in_step_run,
+    training_seconds_in_budget,
+)
 from cram.plan.space import SHARDINGS
 from cram.plan.timing import StepTimes
 
@@ -29,7 +35,7 @@ def add_estimates(rows: list[dict], steps: int | None, budget_hours: float | Non
         save_seconds = row["save_seconds"]
         if steps is not None:
             row["saves"] = saves_in_step_run(steps, step_seconds, checkpoint_steps, checkpoint_every_seconds)
-            row["revisions"] = len({step for step in checkpoint_steps if 0 <= step <= steps})
+            row["revisions"] = revisions_in_step_run(steps, checkpoint_steps)
             row["revision_seconds"] = save_seconds * revision_share(row)
             writing_seconds = ((row["saves"] - row["revisions"]) * save_seconds
                                + row["revisions"] * row["revision_seconds"])
@@ -65,13 +71,19 @@ def add_estimates(rows: list[dict], steps: int | None, budget_hours: float | Non
 
 
 def revision_share(row: dict) -> float:
-    """A revision's share of a training-state save's bytes, so of its time: a revision is the model alone, as
+    """A revision's share of a training-state save's bytes, so of its time (`revision_and_state_bytes`)."""
+    revision, state = revision_and_state_bytes(row["sharding"], row.get("mixed_precision") in ("bf16", "fp16"))
+    return revision / state
+
+
+def revision_and_state_bytes(sharding: str, mixed_precision: bool) -> tuple[float, float]:
+    """Bytes a parameter takes in a revision and in a training state: a revision is the model alone, as
     `export_model` gathers it (16-bit from a mixed-precision DeepSpeed engine, fp32 from DDP's and FSDP's fp32
     weights); a training state adds Adam's fp32 state (master weights and two moments under DeepSpeed, the
     moments alone otherwise)."""
-    deepspeed = row["sharding"].startswith("zero")
-    weight = 2.0 if deepspeed and row.get("mixed_precision") in ("bf16", "fp16") else 4.0
-    return weight / (weight + (12.0 if deepspeed else 8.0))
+    deepspeed = sharding.startswith("zero")
+    weight = 2.0 if deepspeed and mixed_precision else 4.0
+    return weight, weight + (12.0 if deepspeed else 8.0)
 
 
 def interval(row: dict) -> tuple[float, float]:

@@ -111,7 +111,7 @@ def sweep(candidates: list[Candidate], setting: Setting, shape: Shape, limit_byt
         rows.append(row)
     ruled_out = sum(row.get("source") in ("rules", "memory model") for row in rows)
     say(sweep_length([candidate for candidate, _ in to_measure], len(rows) - ruled_out - len(to_measure), ruled_out,
-                     setting, limits, paired_rounds, verify_steps))
+                     setting, limits, paired_rounds, verify_steps, shape.mixed_precision))
     for row in rows:
         if row.get("source") == "cache":
             say(f"    {row['candidate']}: {describe_row(row)}")

@@ -21,9 +21,10 @@ from transformers import PretrainedConfig
 
 from cram.devices import cpu_has_bf16_units
 from cram.plan.cost import predicted_step_seconds
-from cram.plan.models import flops_per_token
+from cram.plan.days import revisions_in_step_run
+from cram.plan.models import flops_per_token, recipe_for
 from cram.plan.peak_memory import Shape
-from cram.plan.rank import MOST_LEADERS
+from cram.plan.rank import MOST_LEADERS, revision_and_state_bytes
 from cram.plan.search import divisors
 from cram.plan.space import Candidate
 from cram.plan.timing import matmul_flops
@@ -107,10 +108,11 @@ def timing_steps_at_most(setting: Setting) -> int:
 
 
 def sweep_length(to_launch: list[Candidate], cached: int, ruled_out: int, setting: Setting, limits: LaunchLimits,
-                 paired_rounds: int, verify_steps: int) -> str:
+                 paired_rounds: int, verify_steps: int, mixed_precision: bool) -> str:
     """The line said before the first launch: at most how many launches, model builds, optimizer steps and saves the
     sweep, the side-by-side timing of its leaders (`paired_rounds`) and the verification (`verify_steps`, 0: none)
-    take, how long at the predicted costs with each launch's start-up, and each launch's time limit."""
+    take, how long at the predicted costs with each launch's start-up, each launch's time limit, and how the run's
+    revisions will count in its days (`revisions_said`)."""
     costs = limits.costs
     leaders = min(MOST_LEADERS, len(to_launch) + cached) if len(to_launch) + cached >= 2 else 0
     paired_launches = leaders * paired_rounds
@@ -138,7 +140,33 @@ def sweep_length(to_launch: list[Candidate], cached: int, ruled_out: int, settin
         shown = format_duration(each[0]) + (f" to {format_duration(each[-1])}" if len(each) > 1 else "")
         line += (f"; a candidate's launch may take {shown} ({LIMIT_FACTOR:g} × its predicted time, at least "
                  f"{format_duration(SHORTEST_LIMIT_SECONDS)}; --candidate-timeout SECONDS sets one limit for all)")
-    return line + "; --candidates NAME,NAME measures fewer"
+    return line + revisions_said(to_launch, setting.model, mixed_precision, costs.save_seconds) + (
+        "; --candidates NAME,NAME measures fewer")
+
+
+def revisions_said(to_launch: list[Candidate], model: str, mixed_precision: bool, save_seconds: float) -> str:
+    """How a step-based recipe's revisions (Pythia's checkpoint steps) count in the run's days, as
+    `cram.plan.rank.add_estimates` counts them: each at its share of the candidate's measured training-state save,
+    the model's bytes over the state's; at the predicted save, how long they take in all. Empty for a recipe without
+    revisions, or with no candidate to launch."""
+    recipe = recipe_for(model)
+    revisions = revisions_in_step_run(recipe.steps, recipe.checkpoint_steps) if recipe.steps else 0
+    if not revisions or not to_launch:
+        return ""
+    shares = {}
+    for candidate in to_launch:
+        revision, state = revision_and_state_bytes(candidate.sharding, mixed_precision)
+        shares.setdefault((revision, state), set()).add("DeepSpeed" if candidate.is_deepspeed else "DDP and FSDP")
+    said = ", ".join(f"{revision:g}/{state:g} under {' and '.join(sorted(kinds))}"
+                     for (revision, state), kinds in sorted(shares.items(), key=lambda item: item[0][0] / item[0][1]))
+    line = (f"; the run's days will count its {revisions} revisions (the model alone, saved at {model}'s checkpoint "
+            f"steps) each at its share of the candidate's measured training-state save, the model's bytes over the "
+            f"state's: {said}")
+    if save_seconds > 0:
+        each = sorted(revisions * save_seconds * revision / state for revision, state in shares)
+        shown = format_duration(each[0]) + (f" to {format_duration(each[-1])}" if len(each) > 1 else "")
+        line += f", about {shown} in all at the predicted save"
+    return line
 
 
 def format_duration(seconds: float) -> str:
