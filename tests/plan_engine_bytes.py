@@ -7,7 +7,9 @@ prediction (rank 0 writes OUTPUT.json).
 Every tensor reachable from the engine, its optimizer and the model's parameters is counted once per storage, after
 one optimizer step and a second backward pass (weights, gradients, master copies, moments and buffers all live);
 and the peak from the reduction at the end of that backward pass to the end of the optimizer step: what was held
-when it began plus the most that every allocation and free since (torch's profiler records each) added at once."""
+when it began plus the most that every allocation and free since (torch's profiler records each) added at once.
+FSDP2 (`measure_fsdp2_accumulation`): between micro-batches under no_sync, and at the peak of the last
+micro-batch's reduction."""
 
 from __future__ import annotations
 
@@ -152,7 +154,8 @@ def measure_fsdp2_accumulation(precision: str) -> dict:
     """FSDP2 as Accelerate applies it (accelerate/utils/fsdp_utils.py `fsdp2_prepare_model`: `fully_shard` on each
     transformer block, then on the root, its MixedPrecisionPolicy gathering and reducing in the autocast dtype),
     on gloo: what a rank holds after a micro-batch under `no_sync` (`set_requires_gradient_sync(False)`, as
-    Accelerate accumulates), once Adam's moments exist."""
+    Accelerate accumulates), once Adam's moments exist; and at the peak of the last micro-batch's reduction, with
+    gradient sync on (`reduction_peak`)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     config = model_config(MODEL, SEQ_LEN)
@@ -175,10 +178,12 @@ def measure_fsdp2_accumulation(precision: str) -> dict:
     backward()
     optimizer.step()
     optimizer.zero_grad()
+    sharded = storages({"model": model, "optimizer": optimizer})
     model.set_requires_gradient_sync(False)
     backward()
     held = storages({"model": model, "optimizer": optimizer})
     model.set_requires_gradient_sync(True)
+    window_peak = reduction_peak(model, optimizer, backward)
     state = fsdp_state_bytes(shape.parameters, shape.block_parameters,
                              shape.parameters - shape.layers * shape.block_parameters, False, True, 2,
                              mixed_precision=precision == "bf16")
@@ -189,8 +194,50 @@ def measure_fsdp2_accumulation(precision: str) -> dict:
     return {"candidate": "fsdp-full", "precision": precision, "parameters": shape.parameters,
             "predicted": {"total": sum(part.bytes for part in accumulating),
                           "unsharded gradients": next(part.bytes for part in accumulating
-                                                      if part.name == "unsharded gradients under no_sync")},
-            "measured": {"total": sum(nbytes for nbytes, _, _ in held.values())}}
+                                                      if part.name == "unsharded gradients under no_sync"),
+                          "sharded": sum(part.bytes for part in state.parts if part.held),
+                          "reduction": sum(part.bytes for part in state.parts if part.phase == "reduction"),
+                          "peak": peak_bytes(state.parts)},
+            "measured": {"total": sum(nbytes for nbytes, _, _ in held.values()),
+                         "sharded": sum(nbytes for nbytes, _, _ in sharded.values()),
+                         "reduction peak": window_peak,
+                         "peak": max(window_peak, sum(nbytes for nbytes, _, _ in held.values()))}}
+
+
+def reduction_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, backward) -> int:
+    """The most bytes a rank holds in `backward`'s reduction: what is reachable from the model and the optimizer
+    (shards, gathered blocks, the unsharded gradients not yet reduced, the reduced shards), and the buffers of the
+    reduce-scatter, which live in `foreach_reduce`'s locals only, sampled at the two moments a group's reduction holds
+    most (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py `foreach_reduce`): when its gradients are copied
+    into the input, and when the output is cast to the sharded gradient's dtype, the input still alive."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    copy_in, cast = _fsdp_collectives.foreach_reduce_scatter_copy_in, _fsdp_collectives._to_dtype_if_needed
+    samples: list[int] = []
+    reducing: dict[str, torch.Tensor] = {}
+
+    def sample(**buffers: object) -> None:
+        found = storages({"model": model, "optimizer": optimizer, **buffers})
+        samples.append(sum(nbytes for nbytes, _, _ in found.values()))
+
+    def counted_copy_in(gradients: list[torch.Tensor], reduce_scatter_input: torch.Tensor, *arguments) -> None:
+        copy_in(gradients, reduce_scatter_input, *arguments)
+        reducing["input"] = reduce_scatter_input
+        sample(gradients=gradients, input=reduce_scatter_input)
+
+    def counted_cast(output: torch.Tensor, *arguments) -> torch.Tensor:
+        sharded = cast(output, *arguments)
+        sample(input=reducing.pop("input"), output=output, sharded=sharded)
+        return sharded
+
+    _fsdp_collectives.foreach_reduce_scatter_copy_in = counted_copy_in
+    _fsdp_collectives._to_dtype_if_needed = counted_cast
+    try:
+        backward()
+    finally:
+        _fsdp_collectives.foreach_reduce_scatter_copy_in, _fsdp_collectives._to_dtype_if_needed = copy_in, cast
+    assert len(samples) == 2 * (len(model.gpt_neox.layers) + 1), samples  # each block and the root reduced once
+    return max(samples)
 
 
 def main() -> None:

@@ -122,13 +122,15 @@ def test_fsdp_offload_keeps_one_copy_of_the_shards_and_gathers_in_the_autocast_d
     assert host_bytes(Candidate("fsdp-grad-op", offload=True), shape) == pytest.approx(max(4 * p * n, 16 * p))
     assert host_bytes(Candidate("fsdp-full", offload=True), shape) == pytest.approx(max(4 * p * n, 16 * p))
     # Gathered in bf16: the root module and a block beside the next one; under no_sync accumulation every block's
-    # unsharded bf16 gradient (+2 bytes a parameter).
+    # unsharded bf16 gradient (+2 bytes a parameter). The fp32 gradient shard (4/N) is made in the reduction as those
+    # gradients go, so it never adds to them: on 4 GPUs the backward pass is the peak (the first block's reduction
+    # holds as much: the gradients it copies beside one block fewer gathered).
     gathered = root + 2 * shape.block_parameters
-    assert state_bytes(Candidate("fsdp-full"), shape) == pytest.approx(16 * p / n + 2 * gathered + 2 * p)
-    assert state_bytes(Candidate("fsdp-grad-op"), shape) == pytest.approx(16 * p / n + 2 * p + 2 * p)
+    assert state_bytes(Candidate("fsdp-full"), shape) == pytest.approx(12 * p / n + 2 * gathered + 2 * p)
+    assert state_bytes(Candidate("fsdp-grad-op"), shape) == pytest.approx(12 * p / n + 2 * p + 2 * p)
     assert state_bytes(Candidate("fsdp-full", offload=True), shape) == pytest.approx(2 * gathered + 2 * p)
     fp32 = shape_of("pythia-1b", 4, activation_bytes=4)
-    assert state_bytes(Candidate("fsdp-full"), fp32) == pytest.approx(16 * p / n + 4 * gathered + 4 * p)
+    assert state_bytes(Candidate("fsdp-full"), fp32) == pytest.approx(12 * p / n + 4 * gathered + 4 * p)
 
 
 def test_host_limits_do_not_prune_on_the_cpu_where_the_device_limit_is_the_host():

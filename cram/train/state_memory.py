@@ -40,8 +40,9 @@ class Part:
     where: str  # "device" or "host"
     element_bytes: int
     bytes: float
-    # "held" from the backward pass on; "reduction" or "step": alive only in the reduction at the end of backward,
-    # or in the optimizer step, which follow each other (a peak holds one phase's transients at a time)
+    # "held" from the backward pass on; "backward", "reduction" or "step": alive only while the backward pass
+    # computes, in the reduction (at its end, or block by block under FSDP2), or in the optimizer step, which follow
+    # each other (a peak holds one phase's parts at a time)
     phase: str = "held"
 
     @property
@@ -58,10 +59,10 @@ class StateBytes:
 
 
 def peak_bytes(parts: tuple[Part, ...] | list[Part], where: str = "device") -> float:
-    """The most bytes `parts` hold at once in `where`: every held part and the larger phase's transients."""
+    """The most bytes `parts` hold at once in `where`: every held part and the largest phase's."""
     held = sum(part.bytes for part in parts if part.where == where and part.held)
     phases = [sum(part.bytes for part in parts if part.where == where and part.phase == phase)
-              for phase in ("reduction", "step")]
+              for phase in ("backward", "reduction", "step")]
     return held + max(phases)
 
 
@@ -156,25 +157,68 @@ def fsdp_state_bytes(parameters: int, block_parameters: int, root_parameters: in
     """FSDP2 as Accelerate sets it up: `fully_shard` on each transformer block and on the root module, gathering and
     reducing in the autocast dtype (Accelerate's MixedPrecisionPolicy gives param_dtype and reduce_dtype alike).
 
-    Sharded at rest: fp32 weights, gradients and Adam moments (4 + 4 + 8 bytes per parameter over the processes;
-    on the host with CPUOffloadPolicy, one copy of each over the node). Gathered in the compute dtype: the root
-    module (the embeddings; the root does not reshard after forward) and a block beside the next one prefetched,
-    or the whole model from forward to backward where blocks do not reshard after forward. Accumulating under
-    `no_sync` (Accelerate's `set_requires_gradient_sync(False)`, every step of several micro-batches) keeps each
-    block's unsharded gradient in the compute dtype until the last micro-batch reduces it. Each process loads the
-    whole fp32 model first (cpu_ram_efficient_loading false)."""
+    Sharded at rest: fp32 weights and Adam moments (4 + 8 bytes per parameter over the processes; on the host with
+    CPUOffloadPolicy, one copy of each over the node). While backward computes: gathered in the compute dtype, the
+    root module (the embeddings; the root does not reshard after forward) and a block beside the next one
+    prefetched, or the whole model where blocks do not reshard after forward; and, accumulating under `no_sync`
+    (Accelerate's `set_requires_gradient_sync(False)`, every step of several micro-batches), each block's unsharded
+    gradient in the compute dtype until the last micro-batch reduces it. The reduction: `fsdp_reduction_parts`. In
+    the step: the fp32 gradient shard (4 bytes per parameter over the processes). Each process loads the whole
+    fp32 model first (cpu_ram_efficient_loading false)."""
     devices = processes_per_node * nodes
     p, n = float(parameters), devices
     compute = 2 if mixed_precision else 4
     where = "host" if offload else "device"
     gathered = p if not reshard_after_forward else min(p, root_parameters + 2.0 * block_parameters)
-    parts = [Part("fp32 weight shard", where, 4, 4 * p / n), Part("fp32 gradient shard", where, 4, 4 * p / n),
-             Part("Adam moments", where, 4, 8 * p / n),
-             Part("gathered root module and blocks", "device", compute, compute * gathered)]
+    parts = [Part("fp32 weight shard", where, 4, 4 * p / n), Part("Adam moments", where, 4, 8 * p / n),
+             Part("gathered root module and blocks", "device", compute, compute * gathered, "backward")]
     if devices > 1:
-        parts.append(Part("unsharded gradients under no_sync", "device", compute, compute * p))
+        parts.append(Part("unsharded gradients under no_sync", "device", compute, compute * p, "backward"))
+    parts += fsdp_reduction_parts(parameters, block_parameters, root_parameters, reshard_after_forward, devices,
+                                  compute, where)
+    parts.append(Part("fp32 gradient shard", where, 4, 4 * p / n, "step"))
     device, host = peak_bytes(parts, "device"), processes_per_node * peak_bytes(parts, "host")
     return StateBytes(device, max(processes_per_node * 4.0 * p, host), tuple(parts))
+
+
+def fsdp_reduction_parts(parameters: int, block_parameters: int, root_parameters: int, reshard_after_forward: bool,
+                         devices: int, compute: int, shards_where: str) -> list[Part]:
+    """What the last micro-batch's reduction holds besides the sharded state, at its fullest on the device.
+
+    FSDP2 reduces block by block as backward reaches each (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py
+    `post_backward`: the block resharded, then `foreach_reduce`), the last block first and the root module (its
+    post-backward runs when backward ends) last. In `foreach_reduce` (_fsdp_collectives.py), a group's unsharded
+    gradients are copied into a reduce-scatter input of their size in the reduce dtype and then freed; the output,
+    1/N of it, is cast to the fp32 sharded gradient (`_to_dtype_if_needed`) while the input is still alive (it is
+    kept until the next group's reduction, `reduce_scatter_states` at `reduce_scatter_max_input_buffers` 1).
+    Meanwhile the groups backward has not reached keep their unsharded gradients (all of them under no_sync, with
+    more than one process), the groups reduced keep their fp32 shards, and the next block is gathered (prefetched,
+    or still gathered from forward where blocks do not reshard after forward)."""
+    p, n, block, root = float(parameters), devices, float(block_parameters), float(root_parameters)
+    blocks = round((p - root) / block) if block > 0 else 0
+    accumulating = devices > 1
+    moments: list[list[Part]] = []
+    for index in range(blocks + 1):  # the blocks from the last, then the root module
+        size = block if index < blocks else root
+        reduced = index * block
+        if index == blocks:  # the root module reshards before its own reduction, the last: nothing is gathered
+            gathered = 0.0
+        else:
+            remaining = blocks - index - 1
+            gathered = root + block * (min(1, remaining) if reshard_after_forward else remaining)
+        unsharded = p - reduced if accumulating else size + (root if index < blocks else 0)
+        common = [Part("gathered in the reduction", "device", compute, compute * gathered, "reduction"),
+                  Part("fp32 gradient shards reduced", shards_where, 4, 4 * reduced / n, "reduction"),
+                  Part("reduce-scatter input", "device", compute, compute * size, "reduction")]
+        # Two moments of each group's reduction: its gradients copied into the input, then, they freed, the
+        # output cast to fp32 beside the input.
+        moments.append([*common, Part("unsharded gradients not yet reduced", "device", compute, compute * unsharded,
+                                      "reduction")])
+        cast = [Part("reduced shard cast to fp32", "device", 4, 4 * size / n, "reduction")] if compute != 4 else []
+        moments.append([*common, Part("unsharded gradients not yet reduced", "device", compute,
+                                      compute * (unsharded - size), "reduction"),
+                        Part("reduce-scatter output", "device", compute, compute * size / n, "reduction"), *cast])
+    return max(moments, key=lambda moment: sum(part.bytes for part in moment if part.where == "device"))
 
 
 def launch_sharding(accelerator: Accelerator) -> tuple[int, bool, bool, str]:
