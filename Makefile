@@ -146,6 +146,13 @@ pythia-replicate: pythia-data
 		--data $(DATA) --heldout $(HELDOUT) $(if $(filter command line environment,$(origin TOKENIZER)),--tokenizer $(TOKENIZER)) \
 		$(if $(STEPS),--steps $(STEPS)) $(if $(BUDGET),--budget $(BUDGET)) $(if $(DEVICE),--device $(DEVICE))
 
+# The replication verdict against runs whose truth is known: pythia-14m's faithful seeds and departures from its recipe
+# trained on the CPU, each seed checked against the others and each departure against the seeds; a table and
+# runs/bench-replication/results.json (docs/benchmarks.md: Replication verdict: sensitivity).
+.PHONY: bench-replication
+bench-replication: setup
+	$(BIN)/python -m cram.bench.replication_sensitivity --output-dir runs/bench-replication
+
 # The planner: which configuration trains MODEL fastest on the hardware ACCEL_CONFIG describes, and what the run costs.
 MODEL ?= pythia-1b
 ACCEL_CONFIG ?= accel_configs/1gpu.yaml
