@@ -105,11 +105,38 @@ def test_the_index_is_cached_beside_the_data_under_gpt_neox_s_names(tmp_path, do
     paths = gpt_neox_index_paths(tmp_path / "document", 16, gpt_neox_num_samples(40))
     assert [path.name for path in paths] == [f"document_train_0_indexmap_41ns_16sl_1234s_{part}_idx.npy"
                                              for part in ("doc", "sample", "shuffle")]
-    assert all(path.is_file() for path in paths) and not list(tmp_path.glob("*.tmp"))
+    assert all(path.is_file() for path in paths)
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
+        ["document.bin", "document.idx", *(path.name for path in paths)])  # no staging file left
     stamps = [path.stat().st_mtime_ns for path in paths]
     second = megatron_sequences(tokens, 17, 40)  # read from the cache, not rebuilt
     assert [path.stat().st_mtime_ns for path in paths] == stamps
     assert np.array_equal(first.__getitems__([0, 5])["input_ids"], second.__getitems__([0, 5])["input_ids"])
+
+
+def test_two_builds_of_one_index_at_once_both_finish_with_the_same_index(tmp_path, monkeypatch, documents):
+    # Two launches on one file (seeds of a sweep started together): a second build runs whole while the first is
+    # between writing its sample index and renaming; neither may truncate or remove the other's files.
+    import cram.data.gpt_neox_order as order
+
+    write_megatron(tmp_path / "document", documents)
+    tokens = MegatronTokens(tmp_path / "document")
+    write_sample_index, interleaved = order._write_sample_index, []
+
+    def write_and_let_another_build_run(*args) -> None:
+        write_sample_index(*args)
+        if not interleaved:
+            interleaved.append(True)
+            order.build_gpt_neox_index(tokens, 16, gpt_neox_num_samples(40))
+
+    monkeypatch.setattr(order, "_write_sample_index", write_and_let_another_build_run)
+    order.build_gpt_neox_index(tokens, 16, gpt_neox_num_samples(40))
+    monkeypatch.undo()
+    samples = megatron_sequences(tokens, 17, 40)
+    doc_idx, sample_idx, shuffle_idx = reference_index(tokens.sizes, 16, gpt_neox_num_samples(40), seed=1234)
+    assert interleaved and np.array_equal(samples.shuffle_idx, shuffle_idx)
+    assert np.array_equal(samples.sample_idx, sample_idx) and np.array_equal(samples.doc_idx, doc_idx)
+    assert len(list(tmp_path.iterdir())) == 2 + 3  # the data and one index: no staging file left
 
 
 def test_a_file_of_whole_sequences_is_read_entry_by_entry(tmp_path):

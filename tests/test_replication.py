@@ -243,7 +243,8 @@ def test_a_reference_of_another_recipe_or_vocabulary_is_refused_before_any_scori
     other = copy.deepcopy(tiny_model)
     if "vocab_size" in change:
         other.resize_token_embeddings(change["vocab_size"])
-    theirs = fake_run(tmp_path / "theirs", other, **{"first_batch": "our-order",
+    # Another batch, sequence or schedule reads another first batch too: the sentence names the recipe's difference.
+    theirs = fake_run(tmp_path / "theirs", other, **{"first_batch": "their-order",
                                                      **{key: value for key, value in change.items()
                                                         if key != "max_steps"}})
     if "max_steps" in change:  # the same step kept, of a longer schedule

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from cram.data.cache import temporary_sibling
 from cram.data.megatron import CHECK_SLICE, MegatronSequences, MegatronTokens, split_prefix
 from cram.errors import UserError
 
@@ -90,8 +91,8 @@ def build_gpt_neox_index(tokens: MegatronTokens, seq_length: int, num_samples: i
     """Write GPT-NeoX's doc, sample and shuffle index of `tokens` for `num_samples` samples of seq_length + 1 tokens.
 
     Same arrays, dtypes and random draws as GPT-NeoX v1.0's `_build_index_mappings`; memory holds one chunk of
-    documents or samples at a time (the arrays live in memory-mapped .npy files, written under temporary names and
-    renamed once complete).
+    documents or samples at a time (the arrays live in memory-mapped .npy files, written under temporary names of
+    this build's own and renamed once complete).
     """
     sizes = tokens.sizes
     documents = tokens.num_sequences
@@ -104,7 +105,9 @@ def build_gpt_neox_index(tokens: MegatronTokens, seq_length: int, num_samples: i
     samples = (epochs * tokens_per_epoch - 1) // seq_length
     random = np.random.RandomState(seed=seed)
     final = gpt_neox_index_paths(tokens.prefix, seq_length, num_samples, seed)
-    staging = [path.with_name(path.name + ".tmp") for path in final]
+    # Names of this build's own: two launches on one file may build the same index at once, and neither may
+    # truncate or remove the other's files (the arrays are the same, so either's may land).
+    staging = [temporary_sibling(path) for path in final]
     try:
         try:
             doc_file = np.lib.format.open_memmap(staging[0], "w+", np.int32, (epochs * documents,))

@@ -142,19 +142,21 @@ def check_comparable(run: RunFacts, locations: list[str], references: list[Revis
         elif (other := _run_or_none(Path(location))) is not None:
             theirs = dict(zip([name for name, _ in our_facts],
                               (other.seq_len, other.global_batch_size, other.max_steps), strict=True))
-            if run.first_batch and other.first_batch:
-                if run.first_batch != other.first_batch:
-                    raise UserError(f"cannot compare: the reference {location} trained on other data or in another "
-                                    "order (its first batch is not our run's): compare runs of one data order.")
-            elif other.data != run.data:
-                raise UserError(f"cannot compare: our run's data is {run.data} and the reference {location}'s "
-                                f"{other.data}: compare runs of one recipe.")
         else:
             continue
-        for name, value in our_facts:
+        for name, value in our_facts:  # before the data: another batch or schedule also reads another first batch
             if theirs[name] != value:
                 raise UserError(f"cannot compare: our run's {name} is {value} and the reference {location}'s "
                                 f"{theirs[name]}: compare runs of one recipe.")
+        if location in released:
+            continue
+        if run.first_batch and other.first_batch:
+            if run.first_batch != other.first_batch:
+                raise UserError(f"cannot compare: the reference {location} trained on other data or in another "
+                                "order (its first batch is not our run's): compare runs of one data order.")
+        elif other.data != run.data:
+            raise UserError(f"cannot compare: our run's data is {run.data} and the reference {location}'s "
+                            f"{other.data}: compare runs of one recipe.")
 
 
 def check_data(run: RunFacts, data: str, given_first_batch: str) -> None:
