@@ -13,7 +13,6 @@ import pytest
 from cram.bench.replication_sensitivity import (
     SIZE,
     Scale,
-    build_index,
     check_command,
     check_outcome,
     corpus_split,
@@ -34,7 +33,6 @@ SEEDS = 5
 @pytest.mark.slow
 def test_one_more_faithful_seed_passes_and_gpt_neox_default_init_fails(tmp_path):
     data = write_data(tmp_path / "data", SCALE, *corpus_split(SCALE.train_documents, SCALE.heldout_documents))
-    build_index(data, SCALE)
     neox_init = departures(SCALE)["neox-init"]
     runs = {f"seed{seed}": (seed, None) for seed in range(1, SEEDS + 1)} | {neox_init.name: (1, neox_init)}
     for name, (seed, departure) in runs.items():

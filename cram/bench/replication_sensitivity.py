@@ -161,8 +161,8 @@ def write_data(folder: Path, scale: Scale, train: list[str], heldout: list[str])
 
 
 def build_index(data: Data, scale: Scale) -> None:
-    """GPT-NeoX's index of the training set as the faithful runs read it, built here once: runs started together
-    would each build it, under the same temporary names."""
+    """GPT-NeoX's index of the training set as the faithful runs read it, built here once rather than by the first run
+    of every worker at the same time."""
     from cram.data.causal import load_causal_data
 
     load_causal_data(str(data.prefix), scale.seq_len, scale.vocab_size, str(data.tokenizer), None,
