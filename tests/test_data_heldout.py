@@ -4,11 +4,9 @@ writes them, joined and cut into seq_len + 1 tokens, only as many documents read
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-import zstandard
+from pile_standin import write_pile_split
 
 from cram.data.heldout import heldout_sequences
 from cram.data.tokenizer import train_byte_level_bpe
@@ -18,11 +16,6 @@ from cram.errors import UserError
 @pytest.fixture(scope="module")
 def tokenizer(english_texts):
     return train_byte_level_bpe(iter(english_texts[:50]), 300, lowercase=False, model_max_length=2048)
-
-
-def write_pile_split(path, texts: list[str], compress: bool = True) -> None:
-    lines = "".join(json.dumps({"text": text, "meta": {"pile_set_name": "Wikipedia (en)"}}) + "\n" for text in texts)
-    path.write_bytes(zstandard.ZstdCompressor().compress(lines.encode()) if compress else lines.encode())
 
 
 def test_documents_end_with_end_of_text_and_are_cut_into_sequences_in_the_files_order(tmp_path, tokenizer,

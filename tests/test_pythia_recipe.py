@@ -21,6 +21,7 @@ import safetensors.torch
 import torch
 from hub_standin import HubStandIn
 from launching import accelerate_launch, load_recipe, run, started, wait_until
+from pile_standin import write_pile_split
 from safetensors.torch import load as load_safetensors
 from transformers import AutoModelForCausalLM
 
@@ -58,13 +59,7 @@ def megatron_data(tmp_path_factory, english_texts) -> tuple[Path, Path]:
 def heldout_file(tmp_path_factory, english_texts) -> Path:
     """30 documents the runs never read (they train on the first 100), as the Pile ships its validation split:
     zstandard-compressed JSON lines of {"text", "meta": {"pile_set_name"}}."""
-    import zstandard
-
-    lines = "".join(json.dumps({"text": text, "meta": {"pile_set_name": "Pile-CC"}}) + "\n"
-                    for text in english_texts[100:130])
-    path = tmp_path_factory.mktemp("pile-val") / "val.jsonl.zst"
-    path.write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
-    return path
+    return write_pile_split(tmp_path_factory.mktemp("pile-val") / "val.jsonl.zst", english_texts[100:130])
 
 
 def recipe_arguments(data: tuple[Path, Path], output_dir: Path, micro_batch_size: int, *extra) -> list:

@@ -15,6 +15,7 @@ import launching
 import pytest
 import torch
 from deepspeed_states import STATES as DEEPSPEED_STATES
+from pile_standin import write_pile_split
 from safetensors.torch import save_file
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
@@ -287,14 +288,6 @@ def small_data(tmp_path_factory, english_texts) -> SimpleNamespace:
     other = train_byte_level_bpe(iter(english_texts[100:160]), 300, lowercase=False, model_max_length=2048)
     return SimpleNamespace(prefix=str(folder / "document"), heldout=str(folder / "val.jsonl.zst"),
                            tokenizer=tokenizer, other_tokenizer=other)
-
-
-def write_pile_split(path: Path, texts: list[str]) -> None:
-    """JSON lines of {"text", "meta": {"pile_set_name"}}, zstandard-compressed: the Pile's val.jsonl.zst layout."""
-    import zstandard
-
-    lines = "".join(json.dumps({"text": text, "meta": {"pile_set_name": "Pile-CC"}}) + "\n" for text in texts)
-    path.write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
 
 
 def small_model(seed: int) -> GPTNeoXForCausalLM:

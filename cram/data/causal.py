@@ -50,11 +50,15 @@ def causal_lm_batch(items: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"input_ids": inputs, "labels": inputs, "shift_labels": tokens[:, 1:].contiguous()}
 
 
+def token_digest(tokens: torch.Tensor) -> str:
+    """A short digest of token ids, whatever their integer dtype: equal where the ids are."""
+    return hashlib.sha256(tokens.to(torch.int64).numpy().tobytes()).hexdigest()[:16]
+
+
 def first_batch_fingerprint(sequences: Dataset, global_batch_size: int) -> str:
     """A digest of the token ids of the first batch, sequences [0, global_batch_size) in training order: two runs,
     or a run and the data a check is given, read the same data in the same order where these agree."""
-    tokens = sequences.__getitems__(list(range(global_batch_size)))["input_ids"]
-    return hashlib.sha256(tokens.to(torch.int64).numpy().tobytes()).hexdigest()[:16]
+    return token_digest(sequences.__getitems__(list(range(global_batch_size)))["input_ids"])
 
 
 def load_tokenizer(location: str) -> PreTrainedTokenizerBase:

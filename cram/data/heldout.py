@@ -7,13 +7,13 @@ asked for need, so a split of gigabytes costs what is scored."""
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from cram.data.causal import token_digest
 from cram.data.megatron import tokenized_documents
 from cram.data.sources import iter_records, resolve_sources
 from cram.errors import UserError
@@ -30,7 +30,7 @@ class HeldOut:
     @property
     def fingerprint(self) -> str:
         """A digest of the token ids, so two reports can tell whether they scored the same text."""
-        return hashlib.sha256(self.sequences.to(torch.int64).numpy().tobytes()).hexdigest()[:16]
+        return token_digest(self.sequences)
 
     def describe(self) -> str:
         count, length = self.sequences.shape
