@@ -23,7 +23,7 @@ from cram.errors import UserError
 from cram.eval import replication
 from cram.eval.replication import DEFAULT_ALPHA, DEFAULT_TOLERANCE, compare, phase_verdict, verdict
 from cram.eval.replication_runs import released_references
-from cram.eval.replication_scoring import parse_budget, plan_scoring, scoring_dtype
+from cram.eval.replication_scoring import parse_budget, plan_scoring, scoring_dtype, sequence_losses
 from cram.eval.run_models import Revisions, read_training_state
 from cram.eval.seed_band import judge_step, t_quantile_two_sided
 from cram.models.pythia_recipe import pythia_checkpoint_steps
@@ -213,6 +213,18 @@ def test_scoring_runs_in_the_recipes_precision_on_a_gpu_and_fp32_on_the_cpu():
     assert scoring_dtype("auto", torch.device("cuda"), "bf16") == torch.bfloat16
     assert scoring_dtype("auto", torch.device("cpu"), "fp16") == torch.float32
     assert scoring_dtype("bf16", torch.device("cpu"), "fp16") == torch.bfloat16
+
+
+def test_scoring_in_bf16_runs_under_autocast_and_keeps_the_weights_as_saved(tiny_model):
+    # --precision bf16 (a GPU's auto for pythia-1b, or asked on a CPU with bf16 units): the matmuls in bf16, each
+    # sequence's loss upcast, the weights left in fp32.
+    tokens = torch.randint(0, 64, (6, 17), generator=torch.Generator().manual_seed(0))
+    full = sequence_losses(copy.deepcopy(tiny_model), tokens, 4)
+    model = copy.deepcopy(tiny_model)
+    half = sequence_losses(model, tokens, 4, dtype=torch.bfloat16)
+    assert half.dtype == full.dtype == torch.float64 and half.shape == full.shape == (6,)
+    assert not torch.equal(half, full) and torch.allclose(half, full, atol=0.05)
+    assert model.dtype == torch.float32
 
 
 def fake_run(folder, model: GPTNeoXForCausalLM, steps: int = 4, data: str = "pile/document", tokenizer=None,
