@@ -49,8 +49,9 @@ from cram.plan.pick import (
 )
 from cram.plan.rank import add_estimates
 from cram.plan.report import markdown_table, write_reports
+from cram.plan.setting import Setting
 from cram.plan.space import candidate_space, select_candidates
-from cram.plan.sweep import Setting, sweep
+from cram.plan.sweep import sweep
 from cram.plan.sweep_length import LIMIT_FACTOR, LaunchLimits, predict_step_seconds, predicted_costs
 from cram.train.accelerator import launch_device_type
 from cram.train.optim import OPTIMIZERS

@@ -168,7 +168,7 @@ def test_the_leaders_are_launched_again_at_their_measured_micro_batch_and_the_pl
     # launch is scripted: zero2-offload, slower in the sweep, is faster side by side and takes the lead.
     from cram.plan import pick
     from cram.plan.peak_memory import Shape
-    from cram.plan.sweep import Setting
+    from cram.plan.setting import Setting
 
     requests = []
 

@@ -20,8 +20,9 @@ from cram.plan.peak_memory import Shape, predicted_bytes, seed_micro_batch, stat
 from cram.plan.pick import recipe_command_parts, report_projection
 from cram.plan.probe import probe_once
 from cram.plan.search import Probe, divisors, judge_probe, largest_micro_batch
+from cram.plan.setting import Setting
 from cram.plan.space import Candidate, candidate_space, select_candidates
-from cram.plan.sweep import Setting, sweep
+from cram.plan.sweep import sweep
 from cram.plan.sweep_length import LaunchLimits
 from cram.plan.timing import MemoryGauge
 

@@ -25,6 +25,7 @@ from launching import started, wait_until
 
 from cram.errors import UserError
 from cram.plan import launch as launch_module
+from cram.plan import setting as setting_module
 from cram.plan import sweep as sweep_module
 from cram.plan.launch import Terminated, rank_failures, run_launch, search_and_time
 from cram.plan.models import model_config
@@ -178,8 +179,8 @@ def test_a_failure_is_cached_until_the_libraries_change_or_retry_failed_asks(tmp
     cached_failure = r"\(cached, measured \d{4}-\d\d-\d\d \d\d:\d\d UTC: add --retry-failed to measure it again\)"
     assert re.search(cached_failure, said[-1]) and re.search(cached_failure, markdown_table([cached]))
     assert small_sweep(tmp_path, retry_failed=True)[0]["source"] == "measured" and measured == ["zero1"] * 2
-    versions = sweep_module.library_versions()
-    monkeypatch.setattr(sweep_module, "library_versions", lambda: {**versions, "deepspeed": "9.9.9"})
+    versions = setting_module.library_versions()
+    monkeypatch.setattr(setting_module, "library_versions", lambda: {**versions, "deepspeed": "9.9.9"})
     assert small_sweep(tmp_path)[0]["source"] == "measured" and measured == ["zero1"] * 3
 
 
@@ -390,7 +391,7 @@ def test_the_cache_key_holds_without_deepspeed_installed(monkeypatch):
         return real_version(package)
 
     monkeypatch.setattr(importlib.metadata, "version", version)
-    assert sweep_module.library_versions()["deepspeed"] == "absent"
+    assert setting_module.library_versions()["deepspeed"] == "absent"
     setting = Setting("crammed-bert-tiny", 128, 16, 2, True, "CPU", None, 1, 2)
     assert setting.key().startswith("crammed-bert-tiny-")
 

@@ -14,8 +14,8 @@ from cram.plan.models import CRAMMED_BERT_PRESETS, is_causal
 from cram.plan.peak_memory import Shape
 from cram.plan.rank import leading_candidates, time_side_by_side
 from cram.plan.report import write_reports
+from cram.plan.setting import Setting, probe_request
 from cram.plan.space import Candidate
-from cram.plan.sweep import Setting, probe_request
 from cram.plan.sweep_length import LaunchLimits
 
 # What `days` does not include yet: labelled in the table and the printed estimate.

@@ -4,13 +4,9 @@ launch one probe per survivor, its result cached per model, hardware and candida
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import importlib.metadata
 import importlib.util
 import json
-import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from cram.errors import UserError
@@ -18,58 +14,9 @@ from cram.plan.emit import write_atomically, write_pair
 from cram.plan.launch import search_and_time
 from cram.plan.peak_memory import Shape, prune_reason, seed_micro_batch
 from cram.plan.report import failure_note, source_note
+from cram.plan.setting import Setting, probe_request
 from cram.plan.space import Candidate
 from cram.plan.sweep_length import LaunchLimits, sweep_length
-
-# What a probe's result holds, by version: a cached result of an earlier version misses (2: the save time; 3:
-# failures that are not out of memory, the time of the measurement; 4: a GPU's memory outside the allocator, which
-# a probe leaves free).
-PROBE_RESULT_VERSION = 4
-
-
-@dataclass(frozen=True)
-class Setting:
-    """Everything a probe's result depends on besides the candidate: the cache key."""
-
-    model: str
-    seq_len: int
-    global_batch_size: int
-    num_processes: int
-    use_cpu: bool
-    device: str
-    memory_limit_bytes: int | None
-    warmup_steps: int
-    timed_steps: int
-    max_timed_steps: int | None = None  # more timed steps while the spread is above spread_bound
-    spread_bound: float = 0.0
-    num_workers: int = 0  # data loader workers per process, as the recipe's run will have them
-
-    def key(self) -> str:
-        """The setting and the library versions: a new torch or DeepSpeed may fit or run what an old one did not."""
-        text = json.dumps({**vars(self), "versions": library_versions(), "result_version": PROBE_RESULT_VERSION},
-                          sort_keys=True)
-        return f"{self.model}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
-
-
-def probe_request(setting: Setting, candidate: Candidate, result_file: Path, **fields) -> dict:
-    """What a probe launch (`cram.plan.probe`) is asked: the model, batch shape, warm-up and data loading of
-    `setting`, for `candidate`, its result to `result_file`; `fields` say what to search or time."""
-    return {"model": setting.model, "candidate": candidate.to_dict(), "seq_len": setting.seq_len,
-            "global_batch_size": setting.global_batch_size, "warmup_steps": setting.warmup_steps,
-            "precision": "auto", "compile": "auto", "cache_dir": os.environ.get("CRAM_CACHE"),
-            "num_workers": setting.num_workers, "result": str(result_file), **fields}
-
-
-def library_versions() -> dict[str, str]:
-    """The installed versions, "absent" for DeepSpeed where the base install runs without it."""
-    return {package: installed_version(package) for package in ("torch", "transformers", "accelerate", "deepspeed")}
-
-
-def installed_version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "absent"
 
 
 def ruled_out_reason(candidate: Candidate, setting: Setting) -> str | None:

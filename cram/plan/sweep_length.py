@@ -14,7 +14,6 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import PretrainedConfig
@@ -26,12 +25,10 @@ from cram.plan.models import flops_per_token, recipe_for
 from cram.plan.peak_memory import Shape
 from cram.plan.rank import MOST_LEADERS, revision_and_state_bytes
 from cram.plan.search import divisors
+from cram.plan.setting import Setting
 from cram.plan.space import Candidate
 from cram.plan.timing import matmul_flops
 from cram.train.throughput import peak_flops_for_name
-
-if TYPE_CHECKING:
-    from cram.plan.sweep import Setting
 
 # Seconds from a launch's command to its first model build (interpreters, torch, transformers, DeepSpeed, the process
 # group, the prepared data): an allowance, as `ASSUMED_MFU` is for the steps, for the said length and the limits.
