@@ -11,7 +11,8 @@ STAMP  := $(VENV)/.installed
 setup: $(STAMP)
 
 # The package goes in under a constraint pinning the torch already there, so a CUDA build stays. EXTRAS: the optional
-# paths to install (README: Install extras); the suite needs them all.
+# paths to install (README: Install extras); the suite needs them all. Where DeepSpeed is installed, its CPU Adam (the
+# optimizer of every offloaded run) is built here, once, rather than by the first offloaded launch.
 EXTRAS ?= all,dev
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +20,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/python -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/keep-torch.txt
 	$(BIN)/python -m pip install --quiet -c $(VENV)/keep-torch.txt -e ".[$(EXTRAS)]"
+	$(BIN)/python -m cram.train.deepspeed_ops
 	touch $(STAMP)
 
 # Each demo replaces the last one's folder (a recipe refuses to start afresh over a finished model).

@@ -32,9 +32,11 @@ from cram.plan.models import model_config
 from cram.plan.peak_memory import Shape
 from cram.plan.probe import CandidateRun, is_out_of_memory
 from cram.plan.report import markdown_table
+from cram.plan.setting import Setting
 from cram.plan.space import Candidate, candidate_space
-from cram.plan.sweep import Setting, build_offload_optimizer, sweep
+from cram.plan.sweep import sweep
 from cram.plan.sweep_length import LaunchCosts, LaunchLimits, format_duration, predict_step_seconds, sweep_length
+from cram.train.deepspeed_ops import build_offload_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 # A launcher that starts its worker in a session of its own, as torchrun does, then waits on it.

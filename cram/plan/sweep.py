@@ -3,7 +3,6 @@ launch one probe per survivor, its result cached per model, hardware and candida
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import time
@@ -17,6 +16,7 @@ from cram.plan.report import failure_note, source_note
 from cram.plan.setting import Setting, probe_request
 from cram.plan.space import Candidate
 from cram.plan.sweep_length import LaunchLimits, sweep_length
+from cram.train.deepspeed_ops import build_offload_optimizer
 
 
 def ruled_out_reason(candidate: Candidate, setting: Setting) -> str | None:
@@ -96,31 +96,6 @@ def sweep(candidates: list[Candidate], setting: Setting, shape: Shape, limit_byt
         row.update(result, source="measured")
         say(f"    {candidate.name}: {describe_row(row)}")
     return rows
-
-
-# A build that changed nothing in its folder for this long while holding the lock was interrupted.
-STALE_BUILD_SECONDS = 300.0
-
-
-def build_offload_optimizer(stale_after: float = STALE_BUILD_SECONDS) -> None:
-    """Build (or load the built) DeepSpeed CPU Adam op here, once, before any offload candidate launches: a build
-    killed part-way leaves a lock on which every later launch would wait for its whole --candidate-timeout. A
-    build running elsewhere (its files still changing) is waited for."""
-    from deepspeed.accelerator import get_accelerator
-    from torch.utils.cpp_extension import _get_build_directory
-
-    builder = get_accelerator().create_op_builder("CPUAdamBuilder")
-    folder = Path(_get_build_directory(builder.name, verbose=False))
-    lock = folder / "lock"
-    while lock.exists():
-        with contextlib.suppress(FileNotFoundError):
-            last_change = max(path.stat().st_mtime for path in [folder, *folder.iterdir()])
-            if time.time() - last_change > stale_after:
-                raise UserError(
-                    f"DeepSpeed's CPU Adam build is locked by {lock}, left by a build that was interrupted (nothing "
-                    f"there changed for {stale_after / 60:g} minutes): delete that file, then plan again.")
-        time.sleep(5)
-    builder.load()
 
 
 def describe_row(row: dict) -> str:
