@@ -18,7 +18,7 @@ import torch
 import torch.distributed
 
 from cram.errors import UserError
-from cram.train import agreement
+from cram.train import agreement, network
 
 
 def test_the_host_group_listens_on_the_interface_that_reaches_the_main_process(monkeypatch):
@@ -30,13 +30,13 @@ def test_the_host_group_listens_on_the_interface_that_reaches_the_main_process(m
         for entry in entries:
             if entry.family == socket.AF_INET:
                 monkeypatch.setenv("MASTER_ADDR", entry.address)
-                assert agreement.gloo_interface() == (name, entry.address)
+                assert network.gloo_interface() == (name, entry.address)
     # A loopback main process is reached from 127.0.0.1 on `lo`, whatever this machine's name resolves to.
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    interface, address = agreement.gloo_interface()
+    interface, address = network.gloo_interface()
     assert address == "127.0.0.1" and interface in psutil.net_if_addrs()
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", interface)  # the user's choice stands
-    assert agreement.gloo_interface() == (interface, "127.0.0.1")
+    assert network.gloo_interface() == (interface, "127.0.0.1")
 
 
 def test_a_host_group_that_cannot_connect_fails_within_a_minute_naming_what_to_set(monkeypatch):

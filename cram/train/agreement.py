@@ -14,18 +14,17 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol
 
-import psutil
 import torch
 from accelerate import Accelerator
 
 from cram.errors import UserError
 from cram.train.budget import MicroBatchPace, WallClock
+from cram.train.network import gloo_interface, spans_machines
 from cram.train.preemption import Preemption
 from cram.train.ramp import Pace
 from cram.train.state import TrainState
@@ -134,34 +133,13 @@ def host_group(accelerator: Accelerator) -> torch.distributed.ProcessGroup:
                 f"(such as eth0; gloo: {str(error).splitlines()[0][:200]})"
             ) from error
         group._get_backend(torch.device("cpu"))._set_default_timeout(timeout)
-        if int(os.environ.get("WORLD_SIZE", "1")) > int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
+        if spans_machines():
             # Across machines, where the interface matters, each machine's first process says which one it took.
             if os.environ.get("LOCAL_RANK", "0") == "0":
                 print(f"host-side group of rank {os.environ.get('RANK', '0')} on {interface} ({address}), the "
                       f"interface that reaches the main process at {os.environ.get('MASTER_ADDR')}", flush=True)
         _host_groups[world] = group
     return _host_groups[world]
-
-
-def gloo_interface() -> tuple[str, str]:
-    """(interface, address) the host group listens on: GLOO_SOCKET_IFNAME when set, else the interface whose
-    address this machine sends from to reach the main process (MASTER_ADDR), as a route lookup gives it."""
-    chosen = os.environ.get("GLOO_SOCKET_IFNAME", "")
-    addresses = psutil.net_if_addrs()
-    if chosen:
-        found = [entry.address for entry in addresses.get(chosen, []) if entry.family == socket.AF_INET]
-        return chosen, found[0] if found else "no IPv4 address"
-    main_address = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    main_port = int(os.environ.get("MASTER_PORT", "29500"))
-    family, _, _, _, target = socket.getaddrinfo(main_address, main_port, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect(target)  # a datagram socket's connect sends nothing: it only asks the kernel for the route
-        local = probe.getsockname()[0]
-    for name, entries in addresses.items():
-        if any(entry.address.split("%")[0] == local for entry in entries):
-            return name, local
-    raise UserError(f"no network interface of this machine has {local}, the address it reaches the main process at "
-                    f"{main_address} from: set GLOO_SOCKET_IFNAME to the interface that reaches it.")
 
 
 @contextlib.contextmanager
