@@ -210,6 +210,9 @@ MAIN_PORT=$(( {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} ))
 echo "job $SLURM_JOB_ID, restart ${{SLURM_RESTART_COUNT:-0}}: {layout.nodes} node(s) ($SLURM_JOB_NODELIST)," \\
   "main process at $MAIN_ADDR:$MAIN_PORT"
 
+# torchrun's agent on each node passes the SIGTERM to its processes and kills them this many seconds later (30 by
+# default): the notice's length, so they have the time to write the state.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={grace}
 srun --nodes={layout.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 \\
   bash -c 'exec "$0" launch --machine_rank "$SLURM_NODEID" "$@"' \\
   {launch} &

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import launching
+import psutil
 import pytest
 
 from cram.plan.launch import free_port
@@ -47,10 +48,22 @@ class SlurmCluster:
         return dict(field.split("=", 1) for field in line.split() if "=" in field)
 
     def start_now(self, job_id: str) -> None:
-        """Start a requeued job at once: Slurm holds a requeued batch job back about two minutes (BeginTime)."""
-        launching.wait_until(lambda: self.job(job_id)["JobState"] == "PENDING", seconds=KILL_WAIT_SECONDS + 60,
-                             interval=0.5, what=f"job {job_id} back in the queue")
+        """Start a requeued job as soon as its last start has left both nodes: Slurm holds a requeued batch job back
+        about two minutes (BeginTime), and a start before a node has ended the last one's steps is refused there
+        ("Job credential revoked") and fails the job."""
+
+        def requeued_and_gone() -> bool:
+            steps = [process for process in psutil.process_iter(["cmdline"])
+                     if " ".join(process.info["cmdline"] or []).startswith(f"slurmstepd: [{job_id}.")]
+            return self.job(job_id)["JobState"] == "PENDING" and not steps and self.nodes_idle()
+
+        launching.wait_until(requeued_and_gone, seconds=KILL_WAIT_SECONDS + 60, interval=0.5,
+                             what=f"job {job_id} back in the queue, its last start gone from the nodes")
         self.command("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+
+    def nodes_idle(self) -> bool:
+        states = self.command("sinfo", "-h", "-N", "-o", "%N %t", check=False).stdout.split("\n")
+        return sorted(line for line in states if line.strip()) == [f"{name} idle" for name in NODES]
 
 
 def _config(folder: Path, munge_socket: Path) -> str:
@@ -117,12 +130,7 @@ def slurm_cluster(folder: Path) -> Iterator[SlurmCluster]:
         daemons.enter_context(launching.started(["slurmctld", "-D", "-i", "-f", conf], env=cluster.env))
         for name in NODES:
             daemons.enter_context(launching.started(_node(name, folder, conf), env=cluster.env))
-
-        def nodes_idle() -> bool:
-            states = cluster.command("sinfo", "-h", "-N", "-o", "%N %t", check=False).stdout.split("\n")
-            return sorted(line for line in states if line.strip()) == [f"{name} idle" for name in NODES]
-
-        launching.wait_until(nodes_idle, seconds=COMMAND_SECONDS, interval=0.5, what="two idle Slurm nodes")
+        launching.wait_until(cluster.nodes_idle, seconds=COMMAND_SECONDS, interval=0.5, what="two idle Slurm nodes")
         try:
             yield cluster
         finally:

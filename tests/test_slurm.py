@@ -60,6 +60,15 @@ class Job:
         return path.read_text(errors="replace") if path.exists() else ""
 
 
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory, english_texts) -> Path:
+    """300 documents: each start of a job prepares its data on both nodes (each node's first process does), and
+    this set takes seconds where the embedded corpus takes minutes."""
+    path = tmp_path_factory.mktemp("corpus") / "documents.jsonl"
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in english_texts[:300]))
+    return path
+
+
 def submit(slurm: SlurmCluster, folder: Path, recipe_env: dict[str, str], arguments: list[str]) -> Job:
     """Write the job script with cram.slurm (in this process) and submit it with sbatch, which hands the job this
     environment (the session's data cache, one CPU thread per process)."""
@@ -106,8 +115,8 @@ class UninterruptedJob:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(slurm, tmp_path_factory, recipe_env) -> UninterruptedJob:
-    job = submit(slurm, tmp_path_factory.mktemp("uninterrupted"), recipe_env, RUN)
+def uninterrupted(slurm, tmp_path_factory, recipe_env, small_corpus) -> UninterruptedJob:
+    job = submit(slurm, tmp_path_factory.mktemp("uninterrupted"), recipe_env, [*RUN, "--data", str(small_corpus)])
     listening: list[set[str]] = []
 
     def host_groups_made() -> bool:
@@ -158,13 +167,13 @@ def newest_step(run_dir: Path) -> int:
 
 
 def test_a_stopped_job_comes_back_each_time_and_reaches_the_uninterrupted_losses(slurm, tmp_path_factory,
-                                                                               recipe_env, uninterrupted):
+                                                                               recipe_env, uninterrupted, small_corpus):
     """Stopped after a newer state each time: by `scontrol requeue` (the controller requeues it), by SIGTERM to the
     job's steps (what a preemption's grace period sends), by SIGTERM to the batch shell alone (what
     `--signal=B:TERM@grace` sends before the time limit), and by `scancel --signal=TERM --full`, where srun answers
     its SIGTERM by killing the tasks, so the run goes on from the last periodic state. Each time the job comes back
     with the next SLURM_RESTART_COUNT, and the end reproduces the uninterrupted job's losses."""
-    job = submit(slurm, tmp_path_factory.mktemp("stopped"), recipe_env, RUN)
+    job = submit(slurm, tmp_path_factory.mktemp("stopped"), recipe_env, [*RUN, "--data", str(small_corpus)])
     stops = [
         ["scontrol", "requeue", job.id],
         ["scancel", "--signal=TERM", job.id],
