@@ -62,8 +62,15 @@ data: setup
 bench-data: setup
 	$(BIN)/python -m cram.bench.data
 
+# A recipe under a launch config, here with `accelerate launch`; with SLURM=1 as a Slurm job instead, written into the
+# run folder and submitted (cram/slurm.py: nodes and GPUs from the config, requeued until done, --resume auto).
+# TIME_LIMIT: the job's limit (e.g. 48:00:00; a longer run goes on in requeued jobs), unset the partition's;
+# SBATCH: more #SBATCH options, e.g. SBATCH="--partition=gpu --account=lab".
+recipe_command = $(if $(SLURM),$(BIN)/python -m cram.slurm --submit --config $(1) $(if $(TIME_LIMIT),--time-limit \
+	$(TIME_LIMIT)) $(foreach option,$(SBATCH),--sbatch=$(option)) $(2),$(BIN)/accelerate launch -q --config_file $(1) $(2))
+
 cram-1gpu: setup
-	$(BIN)/accelerate launch -q --config_file accel_configs/1gpu.yaml recipes/cram.py --budget 24h
+	$(call recipe_command,accel_configs/1gpu.yaml,recipes/cram.py --budget 24h --output-dir runs/cram)
 
 # GLUE: fine-tune CKPT on every task with the paper's protocol; CKPT=runs/cram/final by default.
 .PHONY: glue bench-quality
@@ -105,12 +112,16 @@ PYTHIA_MEMORY_8xh100 := 80
 pythia-data:
 	@test -n "$(DATA)" || { echo "error: pass DATA=PATH, the Megatron .bin/.idx prefix of the training data (e.g. DATA=pile/document) or any source recipes/pythia.py reads." >&2; exit 2; }
 
-# The DATA check comes before `setup`, so a missing DATA costs nothing.
+pythia_arguments = recipes/pythia.py --size pythia-$(1) --data $(DATA) --tokenizer $(TOKENIZER) --micro-batch-size \
+	$(or $(MICRO),$(PYTHIA_MICRO_$(2))) --device-memory-gib $(PYTHIA_MEMORY_$(2)) --output-dir runs/pythia-$(1)-$(2) \
+	--resume auto
+
+# The DATA check comes before `setup`, so a missing DATA costs nothing. SLURM=1 submits it as a Slurm job (above).
 define pythia_target
 .PHONY: pythia-$(1)-$(2)
 pythia-$(1)-$(2): pythia-data setup
-	@echo "$$(BIN)/accelerate launch -q --config_file $$(PYTHIA_CONFIG_$(2)) recipes/pythia.py --size pythia-$(1) --data $$(DATA) --tokenizer $$(TOKENIZER) --micro-batch-size $$(or $$(MICRO),$$(PYTHIA_MICRO_$(2))) --device-memory-gib $$(PYTHIA_MEMORY_$(2)) --output-dir runs/pythia-$(1)-$(2) --resume auto"
-	$$(BIN)/accelerate launch -q --config_file $$(PYTHIA_CONFIG_$(2)) recipes/pythia.py --size pythia-$(1) --data $$(DATA) --tokenizer $$(TOKENIZER) --micro-batch-size $$(or $$(MICRO),$$(PYTHIA_MICRO_$(2))) --device-memory-gib $$(PYTHIA_MEMORY_$(2)) --output-dir runs/pythia-$(1)-$(2) --resume auto
+	@echo "$$(call recipe_command,$$(PYTHIA_CONFIG_$(2)),$$(call pythia_arguments,$(1),$(2)))"
+	$$(call recipe_command,$$(PYTHIA_CONFIG_$(2)),$$(call pythia_arguments,$(1),$(2)))
 endef
 $(foreach size,$(PYTHIA_SIZES),$(foreach hardware,$(PYTHIA_HARDWARE),$(eval $(call pythia_target,$(size),$(hardware)))))
 

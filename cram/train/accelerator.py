@@ -19,6 +19,7 @@ from cram.errors import UserError
 from cram.train.compilation import resolve_compile
 from cram.train.deepspeed_setup import prepare_deepspeed_on_the_cpu
 from cram.train.loss_scaling import record_overflows
+from cram.train.network import use_interface_to_main_process
 from cram.train.precision import resolve_precision
 from cram.versions import check_installed_versions
 
@@ -83,6 +84,7 @@ def build_accelerator(
     check_process_count(device_type)
     if device_type == "cpu":
         use_cpu_cores()
+    use_interface_to_main_process()
     deepspeed = parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
     group = {"timeout": timedelta(minutes=collective_timeout_minutes)}
     if deepspeed and device_type == "cpu":

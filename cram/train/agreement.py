@@ -11,14 +11,20 @@ one process reads everything on the host and agrees with no one.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Protocol
 
 import torch
 from accelerate import Accelerator
 
+from cram.errors import UserError
 from cram.train.budget import MicroBatchPace, WallClock
+from cram.train.network import gloo_interface, spans_machines
 from cram.train.preemption import Preemption
 from cram.train.ramp import Pace
 from cram.train.state import TrainState
@@ -27,6 +33,9 @@ from cram.train.state import TrainState
 # stop signal (position 4) is any process's.
 _RANK0_READINGS = [0, 1, 2, 3, 5, 6]
 _host_groups: dict[object, torch.distributed.ProcessGroup] = {}  # by the launch's default group
+# How long the host group's processes may take to connect before the run stops with what to set: a mesh that cannot
+# form fails fast instead of waiting out the collective timeout (30 minutes by default).
+HOST_GROUP_CONNECT_SECONDS = 45.0
 
 
 class CheckpointTimer(Protocol):
@@ -99,14 +108,52 @@ class Agreement:
 def host_group(accelerator: Accelerator) -> torch.distributed.ProcessGroup:
     """A gloo group of all the launch's processes, made once per launch (every process asks for it at the same
     point: making a group is itself collective) and kept with the launch's process group, as a run's collectives
-    are."""
+    are.
+
+    It listens on the network interface that reaches the main process, not on the address the machine's name
+    resolves to (gloo's default), which on Debian and Ubuntu is 127.0.1.1: there every process would offer the
+    others a loopback address and the group could not form across machines. A group that cannot connect within
+    HOST_GROUP_CONNECT_SECONDS stops the run in one sentence naming GLOO_SOCKET_IFNAME."""
     world = torch.distributed.group.WORLD
     if world not in _host_groups:
-        # The launch's collective timeout, so a process waiting here gives up when it would in a gradient all-reduce.
+        # The launch's collective timeout once connected, so a process waiting here gives up when it would in a
+        # gradient all-reduce.
         handler = getattr(accelerator, "init_handler", None)
-        _host_groups[world] = torch.distributed.new_group(
-            backend="gloo", timeout=handler.timeout if handler is not None else None)
+        timeout = handler.timeout if handler is not None else timedelta(minutes=30)
+        interface, address = gloo_interface()
+        try:
+            with _environment("GLOO_SOCKET_IFNAME", interface):
+                group = torch.distributed.new_group(backend="gloo",
+                                                    timeout=timedelta(seconds=HOST_GROUP_CONNECT_SECONDS))
+        except RuntimeError as error:  # torch's DistError and gloo's connect errors are RuntimeErrors
+            raise UserError(
+                f"the run's processes could not connect their host-side (gloo) group within "
+                f"{HOST_GROUP_CONNECT_SECONDS:g} s, this one offering {address} on {interface}: set "
+                "GLOO_SOCKET_IFNAME to the network interface through which every machine reaches the others "
+                f"(such as eth0; gloo: {str(error).splitlines()[0][:200]})"
+            ) from error
+        group._get_backend(torch.device("cpu"))._set_default_timeout(timeout)
+        if spans_machines():
+            # Across machines, where the interface matters, each machine's first process says which one it took.
+            if os.environ.get("LOCAL_RANK", "0") == "0":
+                print(f"host-side group of rank {os.environ.get('RANK', '0')} on {interface} ({address}), the "
+                      f"interface that reaches the main process at {os.environ.get('MASTER_ADDR')}", flush=True)
+        _host_groups[world] = group
     return _host_groups[world]
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    """`name=value` while gloo makes its device (it reads the variable then), the process's own value after."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = previous
 
 
 def _reading(readings: list[float]) -> Reading:

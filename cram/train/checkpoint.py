@@ -29,6 +29,7 @@ from cram.train.state import TrainState
 
 OPTIONS_FILE = "cram_options.json"
 STATE_FILE = "cram_train_state.json"  # written last: a folder without it is not a checkpoint
+WRITE_SECONDS = "write_seconds"  # the STATE_FILE key of how long the training state took to write
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
 
 
@@ -165,6 +166,7 @@ class Checkpointer:
         """Write a checkpoint of `state`; every process must call this (sharded states are saved collectively)."""
         target = self.directory / f"step-{state.optimizer_steps:08d}"
         staging = target.with_name(target.name + ".tmp")
+        started = time.monotonic()
         if self.accelerator.is_main_process:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
@@ -173,7 +175,10 @@ class Checkpointer:
             self.accelerator.save_state(staging, safe_serialization=True)
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
-            record = {"state": dataclasses.asdict(state), "run": self.run}
+            # How long the state took to write on every process: a scheduler's notice before a stop must leave
+            # room for one (cram.slurm sizes a job's signal grace from it).
+            record = {"state": dataclasses.asdict(state), "run": self.run,
+                      WRITE_SECONDS: round(time.monotonic() - started, 3)}
             (staging / STATE_FILE).write_text(json.dumps(record, indent=1, default=str) + "\n")
             _replace_atomically(staging, target)
             self._prune()

@@ -1,0 +1,105 @@
+"""What `python -m cram.slurm` writes, in this process (tests/test_slurm.py runs the scripts under a real Slurm): the
+layout from the launch config, the notice sized from a run's measured state writes, the refusals, and the
+Makefile's SLURM=1 form."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from launching import REPO, run
+
+from cram import slurm
+from cram.errors import UserError
+from cram.train.checkpoint import STATE_FILE, WRITE_SECONDS
+
+
+def directives(script: str) -> list[str]:
+    return [line.removeprefix("#SBATCH ") for line in script.splitlines() if line.startswith("#SBATCH ")]
+
+
+def test_the_script_asks_for_the_configs_nodes_and_gpus_and_requeues_with_resume_auto(tmp_path):
+    script = slurm.job_script("recipes/pythia.py", ["--size", "pythia-1b", "--output-dir", str(tmp_path / "run")],
+                              "accel_configs/2node.yaml", time_limit="48:00:00", grace=300)
+    asked = directives(script)
+    for directive in ("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=8", "--time=48:00:00", "--requeue",
+                      "--signal=B:TERM@300", f"--output={tmp_path / 'run'}/slurm-%j.out"):
+        assert directive in asked, asked
+    assert "--num_machines 2 --num_processes 16" in script and '--machine_rank "$SLURM_NODEID"' in script
+    assert "--output-dir " + str(tmp_path / "run") + " --resume auto &" in script
+    assert 'MAIN_PORT=$(( 12000 + SLURM_JOB_ID % 20000 ))' in script and "NodeAddr=" in script
+    one_gpu = directives(slurm.job_script("recipes/cram.py", ["--output-dir", "runs/x"], "accel_configs/4xa100.yaml",
+                                          time_limit=None, grace=90))
+    assert "--nodes=1" in one_gpu and "--gpus-per-node=4" in one_gpu and not any("--time" in d for d in one_gpu)
+    cpu = directives(slurm.job_script("recipes/cram.py", ["--output-dir", "runs/x"], "accel_configs/cpu-ddp.yaml",
+                                      time_limit=None, grace=90))
+    assert not any("gpus" in directive for directive in cpu)
+
+
+def write_state(run_dir: Path, step: int, write_seconds: float, seconds_per_micro_batch: float) -> None:
+    folder = run_dir / "checkpoints" / f"step-{step:08d}"
+    folder.mkdir(parents=True)
+    state = {"optimizer_steps": step, "elapsed": 100.0,
+             "history": [{"step": step, "seconds_per_micro_batch": seconds_per_micro_batch}]}
+    (folder / STATE_FILE).write_text(json.dumps({"state": state, "run": {}, WRITE_SECONDS: write_seconds}))
+
+
+def test_the_notice_is_sized_from_the_runs_slowest_measured_state_write(tmp_path):
+    seconds, reason = slurm.grace_seconds(tmp_path)
+    assert seconds == math.ceil(2 * slurm.UNMEASURED_WRITE_BOUND_SECONDS + slurm.GRACE_MARGIN_SECONDS)
+    assert "a stated bound" in reason
+    assert slurm.grace_seconds(tmp_path, write_bound=40)[0] == 2 * 40 + slurm.GRACE_MARGIN_SECONDS
+    write_state(tmp_path, 10, write_seconds=31.5, seconds_per_micro_batch=2.0)
+    write_state(tmp_path, 20, write_seconds=12.25, seconds_per_micro_batch=2.5)
+    seconds, reason = slurm.grace_seconds(tmp_path, write_bound=40)
+    assert seconds == math.ceil(2 * 31.5 + 2.5 + slurm.GRACE_MARGIN_SECONDS)
+    assert "31.5 s (the slowest measured" in reason
+
+
+def test_the_writer_refuses_in_one_sentence(tmp_path):
+    refusals = {
+        "no --output-dir": lambda: slurm.job_script("recipes/cram.py", ["--preset", "tiny"], "accel_configs/cpu.yaml",
+                                                    time_limit=None, grace=90),
+        "--resume none": lambda: slurm.job_script("recipes/cram.py", ["--output-dir", "x", "--resume", "none"],
+                                                  "accel_configs/cpu.yaml", time_limit=None, grace=90),
+        "uneven": lambda: slurm.read_layout(_config(tmp_path, "num_machines: 2\nnum_processes: 3\n")),
+        "time limit under the notice": lambda: slurm.job_script(
+            "recipes/cram.py", ["--output-dir", "x"], "accel_configs/cpu.yaml", time_limit="5", grace=300),
+        "bad time limit": lambda: slurm.time_limit_seconds("two days"),
+        "no config": lambda: slurm.read_layout(tmp_path / "missing.yaml"),
+    }
+    for case, refuse in refusals.items():
+        with pytest.raises(UserError) as refused:
+            refuse()
+        message = str(refused.value)
+        assert message.count(": ") >= 1 and message.endswith("."), (case, message)
+    assert slurm.time_limit_seconds("2-00:00:00") == 2 * 86400 and slurm.time_limit_seconds("90") == 5400
+    assert slurm.time_limit_seconds("1:30:00") == 5400 and slurm.time_limit_seconds("10:30") == 630
+
+
+def _config(folder: Path, text: str) -> Path:
+    path = folder / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_make_slurm_1_writes_and_submits_the_job_instead_of_launching(tmp_path):
+    completed = run(["make", "--no-print-directory", "-n", "pythia-1b-4xa100", "DATA=pile/document", "SLURM=1",
+                     "TIME_LIMIT=48:00:00", "SBATCH=--partition=gpu --account=lab", "VENV=/nonexistent-venv"],
+                    cwd=REPO, timeout=60)
+    command = ("/nonexistent-venv/bin/python -m cram.slurm --submit --config accel_configs/4xa100.yaml --time-limit "
+               "48:00:00 --sbatch=--partition=gpu --sbatch=--account=lab recipes/pythia.py --size pythia-1b")
+    assert completed.returncode == 0 and completed.stdout.count(command) == 2, completed.stdout  # printed, then run
+    assert "accelerate launch" not in completed.stdout
+    cram = run(["make", "--no-print-directory", "-n", "cram-1gpu", "SLURM=1", "VENV=/nonexistent-venv"], cwd=REPO,
+               timeout=60).stdout
+    assert "-m cram.slurm --submit --config accel_configs/1gpu.yaml" in cram and "--output-dir runs/cram" in cram
+    # What the target runs, without --submit: the script for one node of four GPUs.
+    arguments = completed.stdout.splitlines()[-1].split("-m cram.slurm ")[1].split()
+    arguments = [argument for argument in arguments if argument != "--submit"]
+    arguments[arguments.index("runs/pythia-1b-4xa100")] = str(tmp_path / "run")
+    slurm.main(arguments)
+    asked = directives((tmp_path / "run" / "slurm-job.sh").read_text())
+    assert {"--nodes=1", "--gpus-per-node=4", "--time=48:00:00", "--partition=gpu", "--account=lab"} <= set(asked)
