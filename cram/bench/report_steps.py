@@ -191,7 +191,7 @@ def readymade_batches(vocab: int, batch: int, seq_len: int, steps: int, workers:
     micro-batches in a DataLoader with `workers` workers, from parquet shards of synthetic blocks written to
     `folder`, as the ready-made upload holds them: enough for `steps` steps, so no timed step re-opens a shard."""
     if importlib.util.find_spec("datasets") is None or importlib.util.find_spec("pyarrow") is None:
-        raise Skip('the readymade loader needs datasets and pyarrow (pip install "cram[data]")')
+        raise Skip("the readymade loader needs datasets and pyarrow: pip install datasets")
     import pyarrow as pa
     import pyarrow.parquet as pq
     from torch.utils.data import DataLoader
@@ -297,17 +297,18 @@ def candidates(shape: Shape, setting: Setting) -> list[Candidate]:
     original: dict = {}
 
     def step_of(make_model: Callable[[], torch.nn.Module], options: Callable[[], dict] | None,
-                next_batch: Callable[[], Callable[[], dict]], step_precision: str,
+                next_batch: Callable[[], Callable[[], dict]], step_precision: str, note: str | None,
                 ) -> Callable[[], Built]:
         """A row's build: `make_model()` fresh, compiled with `options()` unless None, fed by `next_batch()`."""
         def build() -> Built:
             if options is not None and not setting.compiled:
                 raise Skip(compile_refused)
             torch.manual_seed(0)
-            model, note = make_model().to(device), None
+            model, dropped = make_model().to(device), None
             if options is not None:
-                model, note = compile_for(model, options(), device)
-            return Built(training_step(model, next_batch(), step_precision, device), note)
+                model, dropped = compile_for(model, options(), device)
+            notes = [text for text in (dropped, note) if text]
+            return Built(training_step(model, next_batch(), step_precision, device), "; ".join(notes) or None)
         return build
 
     def fixed(batch: dict) -> Callable[[], Callable[[], dict]]:
@@ -315,11 +316,11 @@ def candidates(shape: Shape, setting: Setting) -> list[Candidate]:
 
     def row(name: str, shape_text: str, make_model: Callable[[], torch.nn.Module], options: dict | None | Callable,
             batch: Callable[[], Callable[[], dict]], step_precision: str, tokens_per_step: int, flops: float,
-            autotunes: bool = False) -> Candidate:
+            autotunes: bool = False, note: str | None = None) -> Candidate:
         """A row: `options` None for eager, else torch.compile's keywords (or a function giving them)."""
         get_options = options if callable(options) or options is None else (lambda: options)
         compiles = int(options is not None and setting.compiled)  # a row skipped here compiles nothing
-        return Candidate(f"{name} ({shape_text})", step_of(make_model, get_options, batch, step_precision),
+        return Candidate(f"{name} ({shape_text})", step_of(make_model, get_options, batch, step_precision, note),
                          tokens_per_step, flops, compiles=compiles, autotunes=bool(compiles and autotunes))
 
     def original_model() -> torch.nn.Module:
@@ -389,7 +390,8 @@ def candidates(shape: Shape, setting: Setting) -> list[Candidate]:
             fixed(bert_batch), precision, bert_tokens, crammed_flops, autotunes=True),
         row(f"crammed BERT, {mode}, its loss on the autocast dtype's logits", bert_shape,
             lever_model(LossInAutocastDtype, models["crammed BERT"]), recipes_compile, fixed(bert_batch), precision,
-            bert_tokens, crammed_flops),
+            bert_tokens, crammed_flops,
+            note=None if precision in ("bf16", "fp16") else "no autocast here: its loss is fp32 as the model's is"),
         row(f"crammed BERT, {mode}, fed by the readymade loader in-process", bert_shape, models["crammed BERT"],
             recipes_compile, loader_batches(0), precision, bert_tokens, crammed_flops),
         row(f"crammed BERT, {mode}, fed by the readymade loader with {LOADER_WORKERS} worker", bert_shape,
