@@ -218,13 +218,17 @@ def test_a_bound_of_no_time_is_refused_in_one_sentence(capsys):
 
 def test_every_contender_is_built_from_a_config_of_its_own():
     # cram's Pythia sets its config's attention to its own; a Hugging Face row built on that object ran cram's.
-    models = {name: make() for name, make in contenders(shape_for("toy")).items()}
+    shape = shape_for("toy")
+    build = contenders(shape)
+    models = {name: make() for name, make in build.items()}
     assert models["pythia-14m"].config._attn_implementation == CAUSAL_SDPA
     assert models[HF_GPT_NEOX].config._attn_implementation == "sdpa"
     assert len({id(model.config) for model in models.values()}) == len(models)
     models["crammed BERT"].config.num_hidden_layers = 7  # one contender's config changed changes no other's
-    again = {name: make() for name, make in contenders(shape_for("toy")).items()}
-    assert again["crammed BERT"].config.num_hidden_layers == 2 == shape_for("toy").bert.num_hidden_layers
+    models["pythia-14m"].config.hidden_act = "relu"
+    again = {name: make() for name, make in build.items()}
+    assert again["crammed BERT"].config.num_hidden_layers == 2 == shape.bert.num_hidden_layers
+    assert again["pythia-14m"].config.hidden_act == again[HF_GPT_NEOX].config.hidden_act == "gelu_fast"
     assert all(again[name].config is not models[name].config for name in models)
 
 

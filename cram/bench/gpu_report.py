@@ -1,16 +1,22 @@
 """The check to run on a new GPU machine: what is installed, what `auto` picks, and training steps side by side.
 
     make gpu-report [ORIGINAL=PATH]   # = python -m cram.bench.gpu_report [--original PATH] [--shape full|toy]
+                                      #   [--max-minutes 30]
 
 Prints and saves (gpu_report.md, gpu_report.json): versions, devices and compute capability, the precision and
 compile choices `--precision auto` / `--compile auto` make, the peak FLOP/s MFU is measured against; then whole
 training steps on synthetic tokens, timed in interleaved rounds (`cram.bench.interleaved`), each with tokens/s, MFU
-of its own FLOPs and peak memory, and the ratios between them: crammed BERT (the default model at micro-batch
-128 × 128) eager and compiled, the original cramming code from the checkout PATH eager and compiled as its own
-`impl.compile_torch` does, `BertForMaskedLM` eager and compiled; pythia-160m (8 × 2048) eager and compiled beside
-`GPTNeoXForCausalLM` as Hugging Face users train it; with DeepSpeed installed, crammed BERT under ZeRO-1
-(`cram.bench.report_steps`). No data and no network. Without a GPU it runs a toy shape (the tiny preset, pythia-14m,
-short sequences), which is what the test suite checks.
+of its own FLOPs, peak memory and its build and warm-up time, and the ratios between them, named for what they
+compare: the code (two models compiled alike), the flags (one model compiled two ways) or a lever. The rows
+(`cram.bench.report_steps`): crammed BERT (the default model at micro-batch 128 × 128), the original cramming code
+from the checkout PATH and `BertForMaskedLM`; pythia-160m (8 × 2048) and `GPTNeoXForCausalLM` as Hugging Face users
+train it; each eager, compiled with defaults and compiled with the original's options; with DeepSpeed installed,
+crammed BERT under ZeRO-1; then the levers. No data and no network. Without a GPU it runs a toy shape (the tiny
+preset, pythia-14m, short sequences), which is what the test suite checks.
+
+It says before the first row how many rows compile (and how many autotune), after each row the time it took and an
+estimate of the rest (compiles left × the mean compile so far), and skips, with that reason, a row that would take
+it past `--max-minutes`.
 """
 
 from __future__ import annotations
