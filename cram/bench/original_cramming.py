@@ -24,6 +24,15 @@ NEEDED = ("omegaconf", "einops")
 # As the original's README trains crammed BERT (`python pretrain.py ... arch=crammed-bert train=bert-o4`); its
 # impl default (cfg_pretrain.yaml: defaults) is torch-default.
 ARCH, TRAIN, IMPL = "crammed-bert", "bert-o4", "torch-default"
+# The keyword arguments its TorchEngineMinimal hands torch.compile (cramming/backend/torch_default.py), from
+# cramming/config/impl/torch-default.yaml: mode, dynamic, fullgraph, backend and _inductor_vars (flattened as
+# `build_original` flattens them). `make gpu-report` compiles cram's and Hugging Face's models with these too, so a
+# ratio between rows compiled alike is one of the code, and one between a model's two compiled rows one of the flags.
+ORIGINAL_COMPILE_OPTIONS = {
+    "mode": None, "dynamic": False, "fullgraph": True, "backend": "inductor",
+    "options": {"max_autotune_gemm": True, "max_autotune_pointwise": False, "triton.cudagraphs": True,
+                "triton.cudagraph_trees": False, "permute_fusion": True, "shape_padding": True},
+}
 
 
 class OriginalUnavailable(Exception):

@@ -1,25 +1,35 @@
 """The training steps `make gpu-report` times side by side, each a whole step (forward, backward, clipping, AdamW)
-on synthetic tokens at one shape: crammed BERT eager and compiled; the original cramming code from the user's
-checkout, eager and compiled as its own `impl.compile_torch` compiles it; Hugging Face's `BertForMaskedLM` eager
-and compiled; cram's Pythia eager and compiled beside `GPTNeoXForCausalLM` as a Hugging Face user trains it (its own
-init, eager); and, with DeepSpeed installed, the crammed-BERT step under ZeRO stage 1.
+on synthetic tokens at one shape.
+
+The contenders: crammed BERT, the original cramming code from the user's checkout and Hugging Face's
+`BertForMaskedLM`; cram's Pythia and `GPTNeoXForCausalLM` as a Hugging Face user trains it (its own attention and
+init). Each is built fresh for its row, from a config of its own, and runs eager, compiled with torch.compile's
+defaults, and compiled with the original's options (`ORIGINAL_COMPILE_OPTIONS`: its impl.compile_torch call), so a
+ratio between two rows compiled alike is one of the code, and one between a model's two compiled rows one of the
+flags. Then the levers, each beside the row it would change: compile mode max-autotune (CUDA graphs: the shapes are
+static), crammed BERT's loss on the autocast dtype's logits instead of fp32, the readymade loader with one worker
+instead of none, and for Pythia a fused linear-cross-entropy kernel where one is installed (Liger's, or
+cut-cross-entropy) instead of the chunked loss. With DeepSpeed installed, the crammed-BERT step under ZeRO stage 1.
 
 Every row counts its own model's FLOPs, so each MFU is that model's; the ratios compare tokens/s at one shape.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import BertConfig, BertForMaskedLM, GPTNeoXForCausalLM
+import torch.nn.functional as F
+from transformers import BertConfig, BertForMaskedLM, GPTNeoXConfig, GPTNeoXForCausalLM
 
-from cram.bench.interleaved import Candidate, Rounds, Skip
-from cram.bench.original_cramming import OriginalUnavailable, build_original
+from cram.bench.interleaved import Built, Candidate, Rounds, Skip
+from cram.bench.original_cramming import ORIGINAL_COMPILE_OPTIONS, OriginalUnavailable, build_original
 from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
 from cram.models.pythia_model import build_pythia_model, pythia_config
 from cram.plan.launch import free_port
@@ -28,13 +38,21 @@ from cram.train.throughput import bert_flops_per_token, crammed_bert_flops_per_t
 
 TOY_VOCAB = 512
 HF_GPT_NEOX = "GPTNeoXForCausalLM as Hugging Face users train it"
+IGNORE_INDEX = -100
+# Inductor options only a GPU can take: CUDA graphs. Dropped on the CPU, and the row says so.
+CUDA_ONLY_OPTIONS = ("triton.cudagraphs", "triton.cudagraph_trees")
+MAX_AUTOTUNE = {"mode": "max-autotune"}  # autotuned GEMMs and CUDA graphs, which static shapes allow
+# The fused linear-cross-entropy kernels timed against the chunked loss: (row, module, pip name).
+FUSED_LOSSES = (("Liger's fused linear cross-entropy", "liger_kernel", "liger-kernel"),
+                ("cut-cross-entropy", "cut_cross_entropy", "cut-cross-entropy"))
+LOADER_WORKERS = 1  # a stream has one reader: a worker moves it and the masking out of the training process
 
 
 @dataclass(frozen=True)
 class Shape:
     """The shapes measured: the full ones on GPUs, a toy one on the CPU."""
 
-    bert: CrammedBertConfig
+    bert: CrammedBertConfig  # a template: every row builds from its own copy
     bert_batch: int
     pythia: str
     pythia_batch: int
@@ -53,14 +71,53 @@ def shape_for(name: str) -> Shape:
                  "pythia-14m", 2, 64, Rounds(warmup=1, rounds=2, steps_per_round=1), pythia_vocab=TOY_VOCAB)
 
 
-def training_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], precision: str,
+def pythia_config_for(shape: Shape) -> GPTNeoXConfig:
+    """A new config of the shape's Pythia size: cram's model sets its config's attention, so no two rows share one."""
+    return pythia_config(shape.pythia, max_position_embeddings=shape.pythia_seq_len,
+                         **({"vocab_size": shape.pythia_vocab} if shape.pythia_vocab else {}))
+
+
+def hf_bert_config(bert: CrammedBertConfig) -> BertConfig:
+    return BertConfig(
+        vocab_size=bert.vocab_size, hidden_size=bert.hidden_size, num_hidden_layers=bert.num_hidden_layers,
+        num_attention_heads=bert.num_attention_heads, intermediate_size=bert.intermediate_size,
+        max_position_embeddings=bert.max_position_embeddings, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+
+
+def contenders(shape: Shape) -> dict[str, Callable[[], torch.nn.Module]]:
+    """Each contender's model (but the original's, which needs its checkout), built fresh on every call from a
+    config of its own."""
+    return {
+        "crammed BERT": lambda: CrammedBertForMaskedLM(copy.deepcopy(shape.bert)),
+        "BertForMaskedLM": lambda: BertForMaskedLM(hf_bert_config(shape.bert)),
+        # As recipes/pythia.py builds it: the released init, SDPA's causal kernel, the chunked loss.
+        shape.pythia: lambda: build_pythia_model(shape.pythia, pythia_config_for(shape)),
+        # transformers' own class on its own config: its attention ("sdpa") and init, as a user's script has them.
+        HF_GPT_NEOX: lambda: GPTNeoXForCausalLM(pythia_config_for(shape)),
+    }
+
+
+def compile_for(model: torch.nn.Module, options: dict, device: torch.device) -> tuple[torch.nn.Module, str | None]:
+    """`torch.compile(model, **options)`, and on the CPU without the inductor options only a GPU takes (CUDA
+    graphs), with a note naming those dropped (None when nothing was)."""
+    inductor = dict(options.get("options") or {})
+    dropped = [name for name in CUDA_ONLY_OPTIONS if name in inductor] if device.type != "cuda" else []
+    for name in dropped:
+        del inductor[name]
+    compiled = torch.compile(model, **{**options, **({"options": inductor} if "options" in options else {})})
+    return compiled, f"{' and '.join(dropped)} dropped: CUDA graphs need a GPU" if dropped else None
+
+
+def training_step(model: torch.nn.Module, next_batch: Callable[[], dict[str, torch.Tensor]], precision: str,
                   device: torch.device) -> Callable[[], None]:
-    """One whole step of `model` on `batch` under the autocast `precision` ("bf16", "fp16" or "no")."""
+    """One whole step of `model` on `next_batch()` under the autocast `precision` ("bf16", "fp16" or "no")."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
     def step() -> None:
+        batch = next_batch()
         with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             loss = model(**batch)["loss"]  # a dict from the original code, a ModelOutput from transformers
         scaler.scale(loss).backward()
@@ -83,6 +140,89 @@ def mlm_batch(vocab: int, batch: int, seq_len: int, masked_fraction: float, devi
     labels[masked] = input_ids.view(-1)[masked]
     labels = labels.view(batch, seq_len)
     return {"input_ids": input_ids.to(device), "labels": labels.to(device)}
+
+
+class LossInAutocastDtype(torch.nn.Module):
+    """Crammed BERT with its cross-entropy on the sparse logits as the decoder gives them (bf16 under bf16
+    autocast), where the model upcasts them to fp32 first: the lever of the fp32 copy of the masked logits."""
+
+    def __init__(self, model: CrammedBertForMaskedLM):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden = self.model.bert(input_ids).last_hidden_state
+        positions = self.model.masked_positions(labels)
+        logits = self.model.get_output_embeddings()(hidden.reshape(-1, hidden.shape[-1])[positions])
+        with torch.autocast(logits.device.type, enabled=False):  # autocast would run cross_entropy in fp32
+            loss = F.cross_entropy(logits, labels.reshape(-1)[positions], ignore_index=IGNORE_INDEX)
+        return {"loss": loss}
+
+
+class FusedLinearCrossEntropy(torch.nn.Module):
+    """cram's Pythia with the output layer and loss of an installed fused kernel in place of the chunked loss."""
+
+    def __init__(self, model: torch.nn.Module, module: str):
+        super().__init__()
+        self.model, self.module = model, module
+        if module == "liger_kernel":
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+            self.liger = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden = self.model.gpt_neox(input_ids).last_hidden_state
+        weight = self.model.get_output_embeddings().weight
+        if torch.is_autocast_enabled(hidden.device.type):  # the kernels take one dtype, autocast's, for both
+            dtype = torch.get_autocast_dtype(hidden.device.type)
+            hidden, weight = hidden.to(dtype), weight.to(dtype)
+        targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]  # token t predicts label t + 1
+        hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        if self.module == "liger_kernel":
+            return {"loss": self.liger(weight, hidden, targets)}
+        from cut_cross_entropy import linear_cross_entropy
+
+        return {"loss": linear_cross_entropy(hidden, weight, targets, ignore_index=IGNORE_INDEX)}
+
+
+def readymade_batches(vocab: int, batch: int, seq_len: int, steps: int, workers: int, device: torch.device,
+                      folder: Path) -> Callable[[], dict[str, torch.Tensor]]:
+    """Masked batches through `cram.data.readymade.readymade_loader` (in the training process) or the same
+    micro-batches in a DataLoader with `workers` workers, from parquet shards of synthetic blocks written to
+    `folder`, as the ready-made upload holds them: enough for `steps` steps, so no timed step re-opens a shard."""
+    if importlib.util.find_spec("datasets") is None or importlib.util.find_spec("pyarrow") is None:
+        raise Skip("the readymade loader needs datasets and pyarrow: pip install datasets")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from torch.utils.data import DataLoader
+
+    from cram.data.collator import MaskedLMCollator
+    from cram.data.readymade import StreamedBlocks, readymade_loader
+
+    shards = sorted(folder.glob("*.parquet"))
+    if not shards:
+        blocks = torch.randint(5, vocab, (steps * batch, seq_len), generator=torch.Generator().manual_seed(0))
+        for index, part in enumerate(blocks.chunk(4)):
+            pq.write_table(pa.table({"input_ids": pa.array(part.int().tolist(), pa.list_(pa.int32()))}),
+                           folder / f"train-{index:05d}-of-00004.parquet")
+        shards = sorted(folder.glob("*.parquet"))
+    rows = [pq.ParquetFile(shard).metadata.num_rows for shard in shards]
+    stream = StreamedBlocks([str(shard) for shard in shards], rows, seq_len)
+    # Ids 0-4 stand in for the special tokens, 4 for the mask, as in the synthetic blocks above.
+    collator = MaskedLMCollator(4, vocab, range(5), mask_fraction=0.25)
+    pin = device.type == "cuda"
+    loader = readymade_loader(stream, collator, start=0, micro_batch_size=batch, process_index=0, num_processes=1,
+                              pin_memory=pin)
+    if workers:
+        loader = DataLoader(loader.dataset, batch_size=None, collate_fn=collator, num_workers=workers,
+                            pin_memory=pin, persistent_workers=True)
+    batches: Iterator[dict[str, torch.Tensor]] = iter(loader)
+
+    def next_batch() -> dict[str, torch.Tensor]:
+        taken = next(batches)
+        return {name: taken[name].to(device, non_blocking=True) for name in ("input_ids", "labels")}
+
+    return next_batch
 
 
 def zero1_step(model: torch.nn.Module, batch: dict, precision: str, device: torch.device) -> Callable[[], None]:
@@ -125,10 +265,17 @@ class Setting:
     compile_choice: str  # what --compile said, for a skipped row's reason
     original: Path | None  # the original cramming code's checkout
 
+    @property
+    def mode(self) -> str:
+        """How the lever rows and the rows they are compared with run: as the recipes do on this device."""
+        return "compiled" if self.compiled else "eager"
+
 
 def candidates(shape: Shape, setting: Setting) -> list[Candidate]:
-    """Every row of the report, in its order."""
+    """Every row of the report, in its order: the comparisons of the code first, the levers after, so a time
+    bound cuts levers first."""
     device, bert = setting.device, shape.bert
+    models = contenders(shape)
     bert_shape = f"{shape.bert_batch} × {bert.max_position_embeddings}"
     bert_tokens = shape.bert_batch * bert.max_position_embeddings
     bert_batch = mlm_batch(bert.vocab_size, shape.bert_batch, bert.max_position_embeddings, bert.sparse_prediction,
@@ -137,20 +284,44 @@ def candidates(shape: Shape, setting: Setting) -> list[Candidate]:
                                                  bert.vocab_size, bert.max_position_embeddings, bert.sparse_prediction)
     hf_bert_flops = bert_flops_per_token(bert.num_hidden_layers, bert.hidden_size, bert.intermediate_size,
                                          bert.vocab_size, bert.max_position_embeddings)
+    pythia = pythia_config_for(shape)  # read for the shape's sizes only
+    pythia_flops = gpt_neox_flops_per_token(pythia.num_hidden_layers, pythia.hidden_size, pythia.intermediate_size,
+                                            pythia.vocab_size, shape.pythia_seq_len)
+    tokens = torch.randint(0, pythia.vocab_size, (shape.pythia_batch, shape.pythia_seq_len),
+                           generator=torch.Generator().manual_seed(0)).to(device)
+    pythia_batch = {"input_ids": tokens, "labels": tokens}
+    pythia_shape = f"{shape.pythia_batch} × {shape.pythia_seq_len}"
+    pythia_tokens = shape.pythia_batch * shape.pythia_seq_len
+    precision, pythia_precision = setting.precision, setting.pythia_precision
+    compile_refused = f"--compile {setting.compile_choice} does not compile on this device"
+    original: dict = {}
 
-    def step_of(make_model: Callable[[], torch.nn.Module], compile_it: bool, batch: dict, precision: str,
-                compile_options: Callable[[], dict] | None = None) -> Callable[[], Callable[[], None]]:
-        def build() -> Callable[[], None]:
-            if compile_it and not setting.compiled:
-                raise Skip(f"--compile {setting.compile_choice} does not compile on this device")
+    def step_of(make_model: Callable[[], torch.nn.Module], options: Callable[[], dict] | None,
+                next_batch: Callable[[], Callable[[], dict]], step_precision: str, note: str | None,
+                ) -> Callable[[], Built]:
+        """A row's build: `make_model()` fresh, compiled with `options()` unless None, fed by `next_batch()`."""
+        def build() -> Built:
+            if options is not None and not setting.compiled:
+                raise Skip(compile_refused)
             torch.manual_seed(0)
-            model = make_model().to(device)
-            if compile_it:
-                model = torch.compile(model, **(compile_options() if compile_options else {}))
-            return training_step(model, batch, precision, device)
+            model, dropped = make_model().to(device), None
+            if options is not None:
+                model, dropped = compile_for(model, options(), device)
+            notes = [text for text in (dropped, note) if text]
+            return Built(training_step(model, next_batch(), step_precision, device), "; ".join(notes) or None)
         return build
 
-    original: dict = {}
+    def fixed(batch: dict) -> Callable[[], Callable[[], dict]]:
+        return lambda: lambda: batch
+
+    def row(name: str, shape_text: str, make_model: Callable[[], torch.nn.Module], options: dict | None | Callable,
+            batch: Callable[[], Callable[[], dict]], step_precision: str, tokens_per_step: int, flops: float,
+            autotunes: bool = False, note: str | None = None) -> Candidate:
+        """A row: `options` None for eager, else torch.compile's keywords (or a function giving them)."""
+        get_options = options if callable(options) or options is None else (lambda: options)
+        compiles = int(options is not None and setting.compiled)  # a row skipped here compiles nothing
+        return Candidate(f"{name} ({shape_text})", step_of(make_model, get_options, batch, step_precision, note),
+                         tokens_per_step, flops, compiles=compiles, autotunes=bool(compiles and autotunes))
 
     def original_model() -> torch.nn.Module:
         """The original code's model at this shape (built once per row: each row trains its own)."""
@@ -165,57 +336,75 @@ def candidates(shape: Shape, setting: Setting) -> list[Candidate]:
         original["compile options"] = built.compile_options
         return built.model
 
-    def hf_bert() -> torch.nn.Module:
-        return BertForMaskedLM(BertConfig(
-            vocab_size=bert.vocab_size, hidden_size=bert.hidden_size, num_hidden_layers=bert.num_hidden_layers,
-            num_attention_heads=bert.num_attention_heads, intermediate_size=bert.intermediate_size,
-            max_position_embeddings=bert.max_position_embeddings, hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0, attn_implementation="sdpa"))
-
-    pythia = pythia_config(shape.pythia, max_position_embeddings=shape.pythia_seq_len,
-                           **({"vocab_size": shape.pythia_vocab} if shape.pythia_vocab else {}))
-    pythia_flops = gpt_neox_flops_per_token(pythia.num_hidden_layers, pythia.hidden_size, pythia.intermediate_size,
-                                            pythia.vocab_size, shape.pythia_seq_len)
-    tokens = torch.randint(0, pythia.vocab_size, (shape.pythia_batch, shape.pythia_seq_len),
-                           generator=torch.Generator().manual_seed(0)).to(device)
-    pythia_batch = {"input_ids": tokens, "labels": tokens}
-    pythia_shape = f"{shape.pythia_batch} × {shape.pythia_seq_len}"
-    pythia_tokens = shape.pythia_batch * shape.pythia_seq_len
-
-    def cram_pythia() -> torch.nn.Module:
-        return build_pythia_model(shape.pythia, pythia)  # as recipes/pythia.py builds it: the released init
-
     def zero1() -> Callable[[], None]:
         if importlib.util.find_spec("deepspeed") is None:
             raise Skip('DeepSpeed is not installed (pip install "cram[deepspeed]")')
         torch.manual_seed(0)
-        return zero1_step(CrammedBertForMaskedLM(bert).to(device), bert_batch, setting.precision, device)
+        return zero1_step(models["crammed BERT"]().to(device), bert_batch, setting.precision, device)
 
-    precision, pythia_precision = setting.precision, setting.pythia_precision
-    return [
-        Candidate(f"crammed BERT, eager ({bert_shape})",
-                  step_of(lambda: CrammedBertForMaskedLM(bert), False, bert_batch, precision), bert_tokens,
-                  crammed_flops),
-        Candidate(f"crammed BERT, compiled ({bert_shape})",
-                  step_of(lambda: CrammedBertForMaskedLM(bert), True, bert_batch, precision), bert_tokens,
-                  crammed_flops),
-        # The same architecture at the same shape, its decoder on the same masked quarter (the original's
-        # bert-o4.yaml: objective.mlm_probability), hence crammed BERT's count.
-        Candidate(f"original cramming, eager ({bert_shape})",
-                  step_of(original_model, False, bert_batch, precision), bert_tokens, crammed_flops),
-        Candidate(f"original cramming, compiled as its impl.compile_torch ({bert_shape})",
-                  step_of(original_model, True, bert_batch, precision, lambda: original["compile options"]),
-                  bert_tokens, crammed_flops),
-        Candidate(f"BertForMaskedLM, eager ({bert_shape})", step_of(hf_bert, False, bert_batch, precision),
-                  bert_tokens, hf_bert_flops),
-        Candidate(f"BertForMaskedLM, compiled ({bert_shape})", step_of(hf_bert, True, bert_batch, precision),
-                  bert_tokens, hf_bert_flops),
-        Candidate(f"{shape.pythia}, eager ({pythia_shape})",
-                  step_of(cram_pythia, False, pythia_batch, pythia_precision), pythia_tokens, pythia_flops),
-        Candidate(f"{shape.pythia}, compiled ({pythia_shape})",
-                  step_of(cram_pythia, True, pythia_batch, pythia_precision), pythia_tokens, pythia_flops),
-        Candidate(f"{HF_GPT_NEOX} ({pythia_shape})",
-                  step_of(lambda: GPTNeoXForCausalLM(pythia), False, pythia_batch, pythia_precision),
-                  pythia_tokens, pythia_flops),
-        Candidate(f"crammed BERT, DeepSpeed ZeRO-1 ({bert_shape})", zero1, bert_tokens, crammed_flops),
+    def lever_model(wrap: Callable[[torch.nn.Module], torch.nn.Module], make_model: Callable[[], torch.nn.Module],
+                    needs: tuple[str, str] | None = None) -> Callable[[], torch.nn.Module]:
+        def make() -> torch.nn.Module:
+            if needs is not None:
+                module, pip_name = needs
+                if importlib.util.find_spec(module) is None:
+                    raise Skip(f"not installed (pip install {pip_name})")
+                if device.type != "cuda":
+                    raise Skip(f"{pip_name} runs Triton kernels, which need a GPU")
+            return wrap(make_model())
+        return make
+
+    loader_folder: list[tempfile.TemporaryDirectory] = []
+
+    def loader_batches(workers: int) -> Callable[[], Callable[[], dict]]:
+        def make() -> Callable[[], dict]:
+            if not loader_folder:  # one set of shards for both rows, removed when the report's process ends
+                loader_folder.append(tempfile.TemporaryDirectory(prefix="cram-gpu-report-"))
+            steps = shape.rounds.warmup + 1 + shape.rounds.rounds * shape.rounds.steps_per_round + 8
+            return readymade_batches(bert.vocab_size, shape.bert_batch, bert.max_position_embeddings, steps, workers,
+                                     device, Path(loader_folder[0].name))
+        return make
+
+    bert_rows, pythia_rows = [], []
+    for name, make_model, flops in (("crammed BERT", models["crammed BERT"], crammed_flops),
+                                    ("original cramming", original_model, crammed_flops),
+                                    ("BertForMaskedLM", models["BertForMaskedLM"], hf_bert_flops)):
+        # The original's own options come from its checkout (they equal ORIGINAL_COMPILE_OPTIONS; a test checks).
+        own = (lambda: original["compile options"]) if name == "original cramming" else ORIGINAL_COMPILE_OPTIONS
+        bert_rows += [row(f"{name}, eager", bert_shape, make_model, None, fixed(bert_batch), precision, bert_tokens,
+                          flops),
+                      row(f"{name}, compiled", bert_shape, make_model, {}, fixed(bert_batch), precision,
+                          bert_tokens, flops),
+                      row(f"{name}, compiled with the original's options", bert_shape, make_model, own,
+                          fixed(bert_batch), precision, bert_tokens, flops, autotunes=True)]
+    for name in (shape.pythia, HF_GPT_NEOX):
+        pythia_rows += [row(f"{name}, {how}", pythia_shape, models[name], options, fixed(pythia_batch),
+                            pythia_precision, pythia_tokens, pythia_flops,
+                            autotunes=options is ORIGINAL_COMPILE_OPTIONS)
+                        for how, options in (("eager", None), ("compiled", {}),
+                                             ("compiled with the original's options", ORIGINAL_COMPILE_OPTIONS))]
+    recipes_compile = {} if setting.compiled else None  # the levers change the step the recipes run here
+    mode = setting.mode
+    levers = [
+        row("crammed BERT, compiled max-autotune", bert_shape, models["crammed BERT"], MAX_AUTOTUNE,
+            fixed(bert_batch), precision, bert_tokens, crammed_flops, autotunes=True),
+        row(f"crammed BERT, {mode}, its loss on the autocast dtype's logits", bert_shape,
+            lever_model(LossInAutocastDtype, models["crammed BERT"]), recipes_compile, fixed(bert_batch), precision,
+            bert_tokens, crammed_flops,
+            note=None if precision in ("bf16", "fp16") else "no autocast here: its loss is fp32 as the model's is"),
+        row(f"crammed BERT, {mode}, fed by the readymade loader in-process", bert_shape, models["crammed BERT"],
+            recipes_compile, loader_batches(0), precision, bert_tokens, crammed_flops),
+        row(f"crammed BERT, {mode}, fed by the readymade loader with {LOADER_WORKERS} worker", bert_shape,
+            models["crammed BERT"], recipes_compile, loader_batches(LOADER_WORKERS), precision, bert_tokens,
+            crammed_flops),
+        row(f"{shape.pythia}, compiled max-autotune", pythia_shape, models[shape.pythia], MAX_AUTOTUNE,
+            fixed(pythia_batch), pythia_precision, pythia_tokens, pythia_flops, autotunes=True),
     ]
+    for what, module, pip_name in FUSED_LOSSES:
+        levers.append(row(f"{shape.pythia}, {mode}, {what}", pythia_shape,
+                          lever_model(lambda model, module=module: FusedLinearCrossEntropy(model, module),
+                                      models[shape.pythia], (module, pip_name)),
+                          recipes_compile, fixed(pythia_batch), pythia_precision, pythia_tokens, pythia_flops))
+    return [*bert_rows, *pythia_rows,
+            Candidate(f"crammed BERT, DeepSpeed ZeRO-1 ({bert_shape})", zero1, bert_tokens, crammed_flops),
+            *levers]
