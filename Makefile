@@ -52,9 +52,11 @@ bench: setup
 	$(BIN)/python -m cram.bench.train_step
 
 # The check for a new GPU machine: versions, GPUs, auto choices, training steps side by side with the ratios;
-# runs/gpu-report/gpu_report.{md,json}. ORIGINAL=PATH: a checkout of the original cramming code to time beside them.
+# runs/gpu-report/gpu_report.{md,json}. ORIGINAL=PATH: a checkout of the original cramming code to time beside them;
+# MAX_MINUTES: the bound on the report's time (rows that would pass it are skipped, each with its reason).
 gpu-report: setup
-	$(BIN)/python -m cram.bench.gpu_report --output-dir runs/gpu-report $(if $(ORIGINAL),--original "$(ORIGINAL)")
+	$(BIN)/python -m cram.bench.gpu_report --output-dir runs/gpu-report $(if $(ORIGINAL),--original "$(ORIGINAL)") \
+		$(if $(MAX_MINUTES),--max-minutes $(MAX_MINUTES))
 
 data: setup
 	$(BIN)/python recipes/prepare_data.py embedded --output-dir runs/data

@@ -132,9 +132,37 @@ def grace_seconds(run_dir: str | Path, write_bound: float | None = None) -> tupl
         write = UNMEASURED_WRITE_BOUND_SECONDS if write_bound is None else write_bound
         source = (f"a stated bound, as {run_dir} has no state written yet: write the script again after its first "
                   "checkpoint to size the notice from the measured write")
-    seconds = math.ceil(GRACE_WRITES * write + micro_batch + GRACE_MARGIN_SECONDS)
-    return seconds, (f"{seconds} s = {GRACE_WRITES} state writes of {write:.1f} s ({source}) + {micro_batch:.1f} s "
-                     f"for the micro-batch in flight + {GRACE_MARGIN_SECONDS} s to leave and requeue")
+    return notice_seconds(write, micro_batch, source)
+
+
+def notice_seconds(write_seconds: float, micro_batch_seconds: float, source: str) -> tuple[int, str]:
+    """(seconds, how they were sized): the notice for a state write of `write_seconds` (measured or bounded, as
+    `source` says) after a micro-batch of `micro_batch_seconds`."""
+    seconds = math.ceil(GRACE_WRITES * write_seconds + micro_batch_seconds + GRACE_MARGIN_SECONDS)
+    return seconds, (f"{seconds} s = {GRACE_WRITES} state writes of {write_seconds:.1f} s ({source}) + "
+                     f"{micro_batch_seconds:.1f} s for the micro-batch in flight + {GRACE_MARGIN_SECONDS} s to leave "
+                     "and requeue")
+
+
+def slurm_time(seconds: float) -> str:
+    """A time limit in Slurm's D-HH:MM:SS, rounded up to the minute."""
+    minutes = math.ceil(seconds / 60)
+    return f"{minutes // 1440}-{minutes // 60 % 24:02d}:{minutes % 60:02d}:00"
+
+
+def requeued_jobs(run_seconds: float, cluster_limit_seconds: float, grace: int,
+                  start_seconds: float) -> tuple[int, int]:
+    """(the time limit each job asks for, how many jobs the run takes): a run of `run_seconds` of training, each job
+    paying `start_seconds` to start and resume and `grace` to save before its limit, under the longest limit the
+    cluster allows. One job asks for no more than the whole run needs."""
+    trains = cluster_limit_seconds - grace - start_seconds
+    if trains <= 0:
+        raise UserError(f"a time limit of {slurm_time(cluster_limit_seconds)} leaves no time to train after "
+                        f"{start_seconds:.0f} s to start and the {grace} s notice the state write needs: give a "
+                        "longer --time-limit.")
+    jobs = max(1, math.ceil(run_seconds / trains))
+    limit = min(cluster_limit_seconds, math.ceil(run_seconds / jobs + grace + start_seconds))
+    return limit, jobs
 
 
 _TIME_LIMIT = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")

@@ -40,6 +40,7 @@ from cram.plan.models import (
 from cram.plan.peak_memory import PRUNE_MARGIN, Shape, predicted_bytes
 from cram.plan.pick import (
     LEFT_OUT_OF_DAYS,
+    emit_job_script,
     emit_winner,
     pick,
     report_projection,
@@ -53,6 +54,7 @@ from cram.plan.setting import Setting
 from cram.plan.space import candidate_space, select_candidates
 from cram.plan.sweep import sweep
 from cram.plan.sweep_length import LIMIT_FACTOR, LaunchLimits, predict_step_seconds, predicted_costs
+from cram.slurm import time_limit_seconds
 from cram.train.accelerator import launch_device_type
 from cram.train.optim import OPTIMIZERS
 from cram.train.run_options import RunOptions, default_num_workers
@@ -108,6 +110,10 @@ class PlanOptions:
     num_workers: int | None = option(
         None, "the run's --num-workers: data loader workers per process in the timed steps (unset: the recipes' "
         "rule, 2 on GPU, 0 on CPU); the emitted command carries it")
+    time_limit: str = option(
+        "2-00:00:00", "the longest time limit your cluster allows a Slurm job (sbatch --time): the job script for the "
+        "pick asks for the run's predicted length up to it, and a longer run goes on in requeued jobs")
+    run_dir: str | None = option(None, "the --output-dir of the run the job script starts (unset: runs/MODEL)")
     checkpoint_every_minutes: float = option(
         RECIPE_CHECKPOINT_MINUTES, "the run's --checkpoint-every-minutes (0: off): its time-based saves count in the "
         "days, and the emitted command carries it")
@@ -150,6 +156,7 @@ def parse_options() -> PlanOptions:
         raise UserError(f"unknown optimizer(s) {', '.join(unknown)}: choose from {', '.join(OPTIMIZERS)}.")
     if options.target is not None:
         parse_target(options.target)
+    time_limit_seconds(options.time_limit)
     if "adamw-8bit" in options.optimizers and is_causal(options.model):
         raise UserError("recipes/pythia.py trains with 32-bit AdamW only: drop adamw-8bit from --optimizers.")
     return options
@@ -233,11 +240,17 @@ def main() -> None:
         carried.append(f"--checkpoint-every-minutes {options.checkpoint_every_minutes:g}")
     if options.num_workers is not None:
         carried.append(f"--num-workers {options.num_workers}")
-    accelerate_file, command = emit_winner(winner, winning, setting, shape, layer_class, output_dir, carried)
-    plan["winner"] = {"candidate": winning.name, "accelerate_config": str(accelerate_file), "command": command}
+    accelerate_file, command, recipe_words = emit_winner(winner, winning, setting, shape, layer_class, output_dir,
+                                                         carried)
+    job = emit_job_script(winner, accelerate_file, recipe_words, options.run_dir or f"runs/{options.model}",
+                          output_dir, options.time_limit)
+    plan["winner"] = {"candidate": winning.name, "accelerate_config": str(accelerate_file), "command": command,
+                      "slurm": job}
     say_pick(winner, rows, options.price_per_gpu_hour, output_dir)
-    print(f"run it with:\n    {command}" + ("\n(DATA: your training data, as recipes/pythia.py --help describes)"
-                                             if is_causal(options.model) else ""))
+    print(f"run it with:\n    {command}\nor under Slurm, in {job['jobs']} requeued job(s) of at most "
+          f"{job['time_limit']} each:\n    sbatch {job['script']}"
+          + ("\n(DATA: your training data, as recipes/pythia.py --help describes; put it in the job script too)"
+             if is_causal(options.model) else ""))
     if options.target is not None:
         plan["projection"] = report_projection(options.target, winner, recipe.steps, device)
     if options.verify:

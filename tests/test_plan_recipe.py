@@ -7,6 +7,7 @@ and the prediction's accuracy is `make bench-plan`'s to measure."""
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import shutil
 import subprocess
@@ -17,6 +18,8 @@ from launching import ACCELERATE, accelerate_launch, run
 
 from cram.plan.days import ramp_steps, saves_in_budget, training_seconds_in_budget
 from cram.plan.launch import free_port
+from cram.plan.sweep_length import LAUNCH_START_SECONDS
+from cram.slurm import requeued_jobs, slurm_time, time_limit_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 # Two processes, 8 sequences each per micro-step at most: the 2 GiB limit is not the binding one here.
@@ -34,7 +37,8 @@ def launch_plan(output_dir: Path, env: dict, *extra: str) -> subprocess.Complete
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory, recipe_env) -> tuple[Path, subprocess.CompletedProcess]:
     output_dir = tmp_path_factory.mktemp("plan") / "out"
-    completed = launch_plan(output_dir, recipe_env, "--verify", "--verify-steps", "4")
+    completed = launch_plan(output_dir, recipe_env, "--verify", "--verify-steps", "4", "--time-limit", "0-02:00:00",
+                            "--run-dir", "runs/planned")
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     return output_dir, completed
 
@@ -117,3 +121,26 @@ def test_an_interrupted_sweep_continues_from_its_cache(swept, tmp_path, recipe_e
     assert rows["zero2-offload"]["source"] == "cache" and (cache / "zero2-offload.json").read_text() == kept
     assert rows["zero1"]["source"] == "measured" and rows["zero1"]["status"] == "ok"
     assert "measuring zero1" in completed.stdout and "measuring zero2-offload" not in completed.stdout
+
+
+@pytest.mark.slow
+def test_the_pick_comes_with_a_slurm_job_script_split_under_the_clusters_time_limit(swept):
+    output_dir, completed = swept
+    plan = json.loads((output_dir / "plan.json").read_text())
+    job, winner = plan["winner"]["slurm"], next(row for row in plan["rows"] if row["candidate"] == plan["winner"][
+        "candidate"])
+    # The notice from the pick's measured save; 24 hours of crammed BERT under a 2-hour limit, in even jobs.
+    micro_batch = winner["step_time"]["median"] / winner["accumulation"]
+    assert job["grace_seconds"] == math.ceil(2 * winner["save_seconds"] + micro_batch + 60)
+    assert job["start_seconds"] == LAUNCH_START_SECONDS + winner["save_seconds"]
+    limit, jobs = requeued_jobs(winner["days"] * 86400, 7200, job["grace_seconds"], job["start_seconds"])
+    assert (job["time_limit"], job["jobs"]) == (slurm_time(limit), jobs) and jobs >= 13
+    assert time_limit_seconds(job["time_limit"]) <= 7200
+    script = Path(job["script"]).read_text()
+    assert f"#SBATCH --time={job['time_limit']}" in script
+    assert f"#SBATCH --signal=B:TERM@{job['grace_seconds']}" in script
+    assert f"--config_file {plan['winner']['accelerate_config']}" in script
+    assert "recipes/cram.py --preset tiny --micro-batch-size 8" in script
+    assert "--output-dir runs/planned --resume auto &" in script
+    assert f"sbatch {job['script']}" in completed.stdout and f"{jobs} requeued job(s)" in completed.stdout
+    assert run(["bash", "-n", job["script"]], timeout=60).returncode == 0

@@ -103,3 +103,20 @@ def test_make_slurm_1_writes_and_submits_the_job_instead_of_launching(tmp_path):
     slurm.main(arguments)
     asked = directives((tmp_path / "run" / "slurm-job.sh").read_text())
     assert {"--nodes=1", "--gpus-per-node=4", "--time=48:00:00", "--partition=gpu", "--account=lab"} <= set(asked)
+
+
+def test_a_run_longer_than_the_clusters_limit_is_split_into_even_requeued_jobs():
+    day = 86400
+    # Ten days under a 48-hour limit: each job trains at most 48 h less its start and notice, so 6 jobs of 40 h.
+    limit, jobs = slurm.requeued_jobs(10 * day, 2 * day, grace=200, start_seconds=100)
+    assert jobs == math.ceil(10 * day / (2 * day - 300)) == 6
+    assert limit == math.ceil(10 * day / 6 + 300) <= 2 * day
+    # A run shorter than the limit asks for what it needs, not for the cluster's longest.
+    assert slurm.requeued_jobs(3600, 2 * day, grace=200, start_seconds=100) == (3900, 1)
+    # At the edge: a run that fills one job's training time exactly takes one job, a second more takes two.
+    assert slurm.requeued_jobs(day - 300, day, 200, 100) == (day, 1)
+    assert slurm.requeued_jobs(day - 299, day, 200, 100)[1] == 2
+    with pytest.raises(UserError, match=r"^a time limit of 0-00:05:00 leaves no time to train .* --time-limit\.$"):
+        slurm.requeued_jobs(3600, 300, grace=250, start_seconds=100)
+    assert slurm.slurm_time(2 * day) == "2-00:00:00" and slurm.slurm_time(90) == "0-00:02:00"
+    assert slurm.time_limit_seconds(slurm.slurm_time(144301)) == 144360  # rounded up to the minute

@@ -3,12 +3,13 @@ config pair and command, the days and cost said, the projection to other hardwar
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 
 from cram.errors import UserError
-from cram.plan.cost import parse_target, project
-from cram.plan.emit import launch_command, recipe_flags, write_pair
+from cram.plan.cost import SECONDS_PER_DAY, parse_target, project
+from cram.plan.emit import launch_command, recipe_flags, write_atomically, write_pair
 from cram.plan.launch import clear_launch_files, launch_probe
 from cram.plan.models import CRAMMED_BERT_PRESETS, is_causal
 from cram.plan.peak_memory import Shape
@@ -16,7 +17,8 @@ from cram.plan.rank import leading_candidates, time_side_by_side
 from cram.plan.report import write_reports
 from cram.plan.setting import Setting, probe_request
 from cram.plan.space import Candidate
-from cram.plan.sweep_length import LaunchLimits
+from cram.plan.sweep_length import LAUNCH_START_SECONDS, LaunchLimits
+from cram.slurm import job_script, notice_seconds, requeued_jobs, slurm_time, time_limit_seconds
 
 # What `days` does not include yet: labelled in the table and the printed estimate.
 LEFT_OUT_OF_DAYS = (
@@ -84,14 +86,36 @@ def recipe_command_parts(model: str) -> tuple[str, list[str]]:
 
 
 def emit_winner(winner: dict, winning: Candidate, setting: Setting, shape: Shape, layer_class: str, work_dir: Path,
-                extra_flags: list[str]) -> tuple[Path, str]:
-    """The winner's Accelerate (and DeepSpeed) config pair in `work_dir`, and the command that runs the recipe with
-    it at the measured micro-batch."""
+                extra_flags: list[str]) -> tuple[Path, str, list[str]]:
+    """The winner's Accelerate (and DeepSpeed) config pair in `work_dir`, the command that runs the recipe with it at
+    the measured micro-batch, and that command's recipe script and arguments."""
     accelerate_file = write_pair(winning, work_dir, setting.num_processes, setting.use_cpu, layer_class,
                                  shape.hidden, shape.zero_init)
     script, model_flags = recipe_command_parts(setting.model)
     flags = recipe_flags(winning, winner["micro_batch"], setting.global_batch_size, is_causal(setting.model))
-    return accelerate_file, launch_command(accelerate_file, script, model_flags, flags + extra_flags)
+    command = launch_command(accelerate_file, script, model_flags, flags + extra_flags)
+    return accelerate_file, command, [script, *shlex.split(" ".join(model_flags + flags + extra_flags))]
+
+
+def emit_job_script(winner: dict, accelerate_file: Path, recipe_words: list[str], run_dir: str, work_dir: Path,
+                    time_limit: str) -> dict:
+    """The Slurm batch script that runs the pick in `run_dir` (`work_dir/slurm-job.sh`): its notice before the time
+    limit sized from the pick's measured training-state save, and its time limit from the predicted length, split
+    into requeued jobs where the run is longer than `time_limit` (the longest the user's cluster allows)."""
+    micro_batch_seconds = winner["step_time"]["median"] / winner["accumulation"]
+    grace, notice = notice_seconds(winner["save_seconds"], micro_batch_seconds,
+                                   "the pick's training-state save, measured by the sweep")
+    # A start pays the launch and reading the state back, which takes about as long as writing it.
+    start_seconds = LAUNCH_START_SECONDS + winner["save_seconds"]
+    limit, jobs = requeued_jobs(winner["days"] * SECONDS_PER_DAY, time_limit_seconds(time_limit), grace,
+                                start_seconds)
+    recipe, *arguments = recipe_words
+    text = job_script(recipe, [*arguments, "--output-dir", run_dir], str(accelerate_file),
+                      time_limit=slurm_time(limit), grace=grace, grace_reason=notice)
+    script = work_dir / "slurm-job.sh"
+    write_atomically(script, text)
+    return {"script": str(script), "time_limit": slurm_time(limit), "jobs": jobs, "grace_seconds": grace,
+            "start_seconds": start_seconds, "cluster_time_limit": time_limit}
 
 
 def describe_saves(row: dict) -> str:
