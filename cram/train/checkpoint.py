@@ -24,6 +24,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from cram.errors import UserError
 from cram.train.accelerator import shut_down
+from cram.train.layout import current_layout, layout_record
 from cram.train.preemption import Preemption
 from cram.train.state import TrainState
 
@@ -130,7 +131,8 @@ class Checkpointer:
 
     A checkpoint is Accelerate's `save_state` (model, optimizer, gradient scaler, every process's RNG states,
     DeepSpeed's sharded states) plus `STATE_FILE`: the step, the data position, the elapsed budget, the log so far,
-    and the facts a resumed run must share with this one (`run`).
+    the facts a resumed run must share with this one (`run`), and the launch layout that wrote it, which a resumed
+    run may change (`cram.train.layout`).
     """
 
     def __init__(
@@ -173,7 +175,8 @@ class Checkpointer:
             self.accelerator.save_state(staging, safe_serialization=True)
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
-            record = {"state": dataclasses.asdict(state), "run": self.run}
+            record = {"state": dataclasses.asdict(state), "run": self.run,
+                      "layout": layout_record(current_layout(self.accelerator))}
             (staging / STATE_FILE).write_text(json.dumps(record, indent=1, default=str) + "\n")
             _replace_atomically(staging, target)
             self._prune()
@@ -231,9 +234,14 @@ def find_checkpoint(resume: str, directory: str | Path) -> Path | None:
     return path
 
 
+def read_record(path: str | Path) -> dict:
+    """A checkpoint's record: "state", "run" (its facts) and "layout"."""
+    return json.loads((Path(path) / STATE_FILE).read_text())
+
+
 def read_checkpoint(path: str | Path) -> tuple[TrainState, dict]:
     """The training state and run facts recorded in a checkpoint."""
-    record = json.loads((Path(path) / STATE_FILE).read_text())
+    record = read_record(path)
     return TrainState(**record["state"]), record["run"]
 
 
@@ -252,8 +260,9 @@ def check_same_run(saved: dict, current: dict, path: str | Path) -> None:
         )
 
 
-def load_checkpoint(accelerator: Accelerator, path: str | Path) -> TrainState:
-    """Restore model, optimizer, scaler and RNG states on every process; return the training state."""
-    accelerator.load_state(str(path))
+def load_checkpoint(accelerator: Accelerator, path: str | Path, states: str | Path | None = None) -> TrainState:
+    """Restore model, optimizer, scaler and RNG states on every process (from `states`, the checkpoint's DeepSpeed
+    state in another form, where given); return the training state."""
+    accelerator.load_state(str(states or path))
     state, _ = read_checkpoint(path)
     return state
