@@ -26,6 +26,8 @@ from cram.errors import UserError
 
 UNIVERSAL_FOLDER = "universal"  # inside a step-N checkpoint: its DeepSpeed state in universal form
 DEEPSPEED_TAG = "pytorch_model"  # the folder (tag) Accelerate's `save_state` gives the first model's engine
+MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's engine state under ZeRO-1/2 (tensor-parallel rank 0)
+STAGE3_MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # and rank 0's under ZeRO-3
 
 
 @dataclass(frozen=True)
@@ -131,12 +133,11 @@ def universal_checkpoint(checkpoint: Path) -> Path:
     with contextlib.redirect_stdout(io.StringIO()):  # its progress lines, which would land in the run's log
         ds_to_universal(arguments)
     (staging / "latest_universal").unlink(missing_ok=True)  # the tag is named on loading
-    # The converted model-states files keep the name their stage gave them; the loading stage looks for its own.
-    for stage3_name, other_name in (("zero_pp_rank_0_mp_rank_00_model_states.pt", "mp_rank_00_model_states.pt"),):
-        for have, want in ((stage3_name, other_name), (other_name, stage3_name)):
-            if (converted / have).is_file() and not (converted / want).exists():
-                shutil.copy2(converted / have, converted / want)
     serve_both_stage_families(converted / "zero")
+    # The converted model-states file keeps the name its stage gave it; the loading stage looks for its own.
+    for have, want in ((STAGE3_MODEL_STATES, MODEL_STATES), (MODEL_STATES, STAGE3_MODEL_STATES)):
+        if (converted / have).is_file() and not (converted / want).exists():
+            shutil.copy2(converted / have, converted / want)
     for random_states in checkpoint.glob("random_states_*.pkl"):
         shutil.copy2(random_states, staging / random_states.name)
     try:
@@ -156,7 +157,7 @@ def serve_both_stage_families(zero: Path) -> None:
     `load_hp_checkpoint_state_from_checkpoint_dir_stage3`), so both places are filled."""
     import deepspeed
     import torch
-    from deepspeed.checkpoint.constants import DS_VERSION, OPTIMIZER_STATE_DICT, PARAM_GROUPS
+    from deepspeed.checkpoint.constants import DS_VERSION, OPTIMIZER_STATE_DICT, PARAM, PARAM_GROUPS
 
     path = zero / "optimizer_state.pt"
     global_state = torch.load(path, weights_only=False)
@@ -167,9 +168,14 @@ def serve_both_stage_families(zero: Path) -> None:
         groups = global_state[PARAM_GROUPS]
     else:  # from stage 3
         step, groups = inner["state"][0]["step"], inner[PARAM_GROUPS]
+        model_states = torch.load(zero.parent / STAGE3_MODEL_STATES, weights_only=False)
+        shapes = {name: shape for group in model_states["param_shapes"] for name, shape in group.items()}
         for folder in parameters:
-            if not (folder / "step.pt").exists():
-                torch.save(step, folder / "step.pt")
+            torch.save(step, folder / "step.pt")
+            for key in ("fp32", "exp_avg", "exp_avg_sq"):  # flat tensors, where stages 1 and 2 read shaped ones
+                tensor = torch.load(folder / f"{key}.pt", weights_only=False)
+                if torch.is_tensor(tensor):
+                    torch.save({PARAM: tensor.view(shapes[folder.name])}, folder / f"{key}.pt")
         global_state.pop("fp32_flat_groups", None)  # one rank's partitions, which the zero/ folders hold whole
         global_state.setdefault(DS_VERSION, deepspeed.__version__)
     global_state[OPTIMIZER_STATE_DICT] = {"state": {0: {"step": step}}, PARAM_GROUPS: groups}
