@@ -104,11 +104,10 @@ def check_state_format(saved: Layout, current: Layout, path: str | Path) -> None
 
 def needs_universal(saved: Layout, current: Layout) -> bool:
     """Whether a DeepSpeed state must go through its universal form: DeepSpeed loads a ZeRO state natively only
-    on the same number of ranks, and stage 3's only under stage 3 (stages 1 and 2 share one optimizer)."""
+    on as many ranks as saved it (engine.py `_load_zero_checkpoint`), and under the stage that saved it."""
     if current.state_format != "deepspeed":
         return False
-    same_family = (saved.zero_stage == 3) == (current.zero_stage == 3)
-    return saved.num_processes != current.num_processes or not same_family or saved.zero_stage is None
+    return saved.num_processes != current.num_processes or saved.zero_stage != current.zero_stage
 
 
 def universal_checkpoint(checkpoint: Path) -> Path:
