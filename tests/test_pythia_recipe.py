@@ -623,3 +623,59 @@ def test_a_state_resumes_only_in_the_form_it_was_saved_in(recipe_module, monkeyp
     assert "its state was saved under deepspeed" in text and "launch with a deepspeed config" in text
     assert text.count(". ") == 0
     assert sorted(path.name for path in (output_dir / "checkpoints").iterdir()) == ["step-00000002"]
+
+
+BF16 = ["--precision", "bf16"]
+
+
+@pytest.fixture(scope="module")
+def zero2_bf16(tmp_path_factory, recipe_env, megatron_data) -> Path:
+    """2 processes under ZeRO-2 in bf16, uninterrupted (states at steps 2 and 4): the bf16 moves' reference."""
+    output_dir = tmp_path_factory.mktemp("zero2-bf16") / "run"
+    completed = run(launch_command("cpu-zero2", megatron_data, output_dir, *BF16), cwd=REPO, env=recipe_env)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return output_dir
+
+
+@pytest.mark.slow
+def test_bf16_zero_states_move_from_two_processes_to_one_and_back_across_stages_to_the_same_losses(
+    tmp_path, recipe_env, megatron_data, zero2_bf16
+):
+    # ZeRO-2 on 2 processes → ZeRO-1 on 1 (from step 2) → ZeRO-3 on 2 (from the moved run's step 4).
+    reference = history(zero2_bf16)
+    on_one = state_at(zero2_bf16, 2, tmp_path / "zero1")
+    completed = resume_launch("cpu-zero1", 1, megatron_data, on_one, 1, recipe_env, *BF16)
+    assert "saved on 2 process(es), deepspeed ZeRO-2, resumed on 1 process(es), deepspeed ZeRO-1" in completed.stdout
+    assert_moved(on_one, reference, 2, MOVED_BF16_LOSS)
+    on_two = state_at(on_one, 4, tmp_path / "zero3")
+    completed = resume_launch("cpu-zero3", 2, megatron_data, on_two, 1, recipe_env, *BF16)
+    assert "saved on 1 process(es), deepspeed ZeRO-1, resumed on 2 process(es), deepspeed ZeRO-3" in completed.stdout
+    assert_moved(on_two, reference, 4, MOVED_BF16_LOSS)
+    options = json.loads((on_two / "final" / "cram_options.json").read_text())["resolved"]
+    assert options["mixed_precision"] == "bf16"
+
+
+@pytest.mark.slow
+def test_a_bf16_ddp_state_moves_from_one_process_to_two_and_back_to_the_same_losses(
+    recipe_module, monkeypatch, capsys, tmp_path, recipe_env, megatron_data
+):
+    # The single-process runs in this process: the uninterrupted reference, then the move back from two.
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+
+    def in_this_process(output_dir: Path, *extra) -> str:
+        arguments = recipe_arguments(megatron_data, output_dir, 2, *BF16, *extra)[1:]
+        monkeypatch.setattr(sys, "argv", ["pythia.py", *map(str, arguments)])
+        recipe_module.main()
+        return capsys.readouterr().out
+
+    whole = tmp_path / "whole" / "run"
+    in_this_process(whole)
+    reference = history(whole)
+    on_two = state_at(whole, 2, tmp_path / "two")
+    completed = resume_launch("cpu-ddp", 2, megatron_data, on_two, 2, recipe_env, *BF16)
+    assert "saved on 1 process(es), accelerate, resumed on 2 process(es), accelerate" in completed.stdout
+    assert_moved(on_two, reference, 2, MOVED_BF16_LOSS)
+    back = state_at(on_two, 4, tmp_path / "back")
+    assert "saved on 2 process(es), accelerate, resumed on 1 process(es), accelerate" in in_this_process(
+        back, "--resume", "auto")
+    assert_moved(back, reference, 4, MOVED_BF16_LOSS)
