@@ -56,6 +56,8 @@ def test_a_checkpoint_of_another_run_is_refused_with_every_difference_named(tmp_
     message = str(refused.value)
     assert "training.lr: 0.001 then, 0.002 now" in message and "data.set: 'abc' then, 'xyz' now" in message
     assert "preset" not in message
+    # A section added to the facts after the checkpoint was written is not compared.
+    check_same_run(saved, {"training": {"preset": "tiny", "lr": 1e-3}, "batch": {"sequences_per_micro_step": 16}}, "x")
 
 
 def test_checkpoints_fall_due_by_step_or_by_time_never_twice_for_one_step():

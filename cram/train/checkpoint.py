@@ -246,12 +246,14 @@ def read_checkpoint(path: str | Path) -> tuple[TrainState, dict]:
 
 
 def check_same_run(saved: dict, current: dict, path: str | Path) -> None:
-    """Refuse to resume when anything that shapes the result differs from the run that wrote the checkpoint."""
+    """Refuse to resume when anything that shapes the result differs from the run that wrote the checkpoint.
+
+    A section the checkpoint lacks altogether was added to the facts after it was written, and is not compared."""
     differences = [
-        f"{section}.{key}: {saved.get(section, {}).get(key)!r} then, {value!r} now"
-        for section, values in current.items()
+        f"{section}.{key}: {saved[section].get(key)!r} then, {value!r} now"
+        for section, values in current.items() if section in saved
         for key, value in values.items()
-        if saved.get(section, {}).get(key) != value
+        if saved[section].get(key) != value
     ]
     if differences:
         raise UserError(
