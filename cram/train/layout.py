@@ -55,7 +55,7 @@ def saved_layout(record: dict) -> Layout:
     """The layout in a checkpoint's record; a record written before layouts were saved names only its launch."""
     if "layout" in record:
         return Layout(**record["layout"])
-    launch = record["run"].get("launch", {})
+    launch = record.get("run", {}).get("launch", {})
     kind = str(launch.get("distributed_type", ""))
     state_format = "deepspeed" if kind.endswith("DEEPSPEED") else "fsdp" if kind.endswith("FSDP") else "accelerate"
     return Layout(int(launch.get("num_processes", 1)), state_format)
