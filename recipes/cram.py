@@ -144,6 +144,15 @@ def resolved_training(training: TrainingOptions, batching: Batching) -> dict:
             "target_batch_size": None if batching.follows_budget else batching.target_batch_size}
 
 
+def sequences_per_micro_step(run: RecipeRun, micro_batch_size: int) -> int:
+    """The global sequences of one step of the ramp: a micro-batch on each process of the run's first launch,
+    which a resumed run keeps (a checkpoint written before it was recorded names the processes that wrote it)."""
+    if run.saved is None:
+        return micro_batch_size * run.accelerator.num_processes
+    recorded = run.saved["run"].get("batch", {}).get("sequences_per_micro_step")
+    return recorded or micro_batch_size * run.saved_layout.num_processes
+
+
 def load_data(
     source: str, config: CrammedBertConfig, cache_dir: str | None, accelerator: Accelerator
 ) -> PreparedData | ReadymadeData:
@@ -186,12 +195,14 @@ def main() -> None:
     run = RecipeRun("cram", implementation)
     accelerator = run.accelerator
     batching = Batching.resolve(training, run.device_type)
-    micro_batch = batching.micro_batch_size
-    sequences_per_micro_batch = micro_batch * accelerator.num_processes
+    # The ramp grows the global batch in steps of one micro-batch on each of the run's first launch's processes;
+    # resumed on another number of processes, each step of it is split again over them.
+    micro_step = sequences_per_micro_step(run, batching.micro_batch_size)
+    split = run.split(micro_step, batching.micro_batch_size)
+    micro_batch, per_micro_step = split.micro_batch_size, split.micro_batches
     # The largest target must be whole micro-batches on every process; a budget-following ramp aims at most there.
-    full = full_accumulation(batching.target_batch_size, micro_batch, accelerator.num_processes)
-    configure_deepspeed(accelerator, micro_batch, full * sequences_per_micro_batch,
-                        training.max_grad_norm)
+    full = full_accumulation(batching.target_batch_size, micro_batch * per_micro_step, accelerator.num_processes)
+    configure_deepspeed(accelerator, micro_batch, full * micro_step, training.max_grad_norm)
     plugin = accelerator.state.deepspeed_plugin
     check_optimizer_for_deepspeed(plugin and plugin.deepspeed_config, training.optimizer == "adamw-8bit")
     set_seed(training.seed)  # the same initial model on every process; masks depend on each sequence's serial
@@ -219,11 +230,11 @@ def main() -> None:
     session = run.start(model, optimizer, training, facts={  # what a resumed run must share with the saved one
         "training": resolved_training(training, batching),
         "data": {"set": data.path.name, "blocks": len(data.dataset), "vocab_size": config.vocab_size},
-        "launch": {"distributed_type": str(accelerator.distributed_type), "num_processes": accelerator.num_processes},
+        "batch": {"sequences_per_micro_step": micro_step},
     }, resolved={
         "budget_seconds": budget_seconds,
         "max_steps": training.max_steps,
-        "full_accumulation": full,
+        "full_accumulation": full * per_micro_step,
         "micro_batch_size": micro_batch,
         "ramp_target": "follows the budget" if batching.follows_budget else batching.target_batch_size,
         "vocab_size": config.vocab_size,
@@ -245,11 +256,11 @@ def main() -> None:
     if training.max_steps and run.is_main_process:
         print(describe_passes(passes_by_steps(
             len(data.dataset), training.max_steps,
-            lambda progress: ramp_accumulation(progress, full, training.ramp_end) * sequences_per_micro_batch,
+            lambda progress: ramp_accumulation(progress, full, training.ramp_end) * micro_step,
         ), len(data.dataset)))
     elif run.is_main_process:
         batches = report_passes_once_timed(batches, blocks=len(data.dataset),
-                                           sequences_per_batch=sequences_per_micro_batch,
+                                           sequences_per_batch=micro_step,
                                            budget_seconds=budget_seconds, report=tqdm.write)  # above the bar
     flops_per_token = crammed_bert_flops_per_token(
         config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.vocab_size,
@@ -265,11 +276,11 @@ def main() -> None:
     )
     clock = StepClock(training.max_steps) if training.max_steps else BudgetClock(budget_seconds)
     if batching.follows_budget:
-        accumulation_at = BudgetRamp(state, full, sequences_per_micro_batch, budget_seconds, training.ramp_end,
-                                     training.min_steps)
+        accumulation_at = BudgetRamp(state, full, micro_step, budget_seconds, training.ramp_end,
+                                     training.min_steps, micro_batches_per_step=per_micro_step)
     else:
         def accumulation_at(pace: Pace) -> int:
-            return ramp_accumulation(pace.progress, full, training.ramp_end)
+            return ramp_accumulation(pace.progress, full, training.ramp_end) * per_micro_step
     session.train(
         batches, clock, tokenizer=data.tokenizer, card=card, peak_lr=training.lr, lr_shape=budget_triangle,
         accumulation_at=accumulation_at, max_grad_norm=training.max_grad_norm, flops_per_token=flops_per_token,

@@ -61,7 +61,6 @@ from cram.train.deepspeed_setup import configure_deepspeed
 from cram.train.loss_scaling import fp16_loss_scaling
 from cram.train.optim import build_adamw
 from cram.train.precision import Precision, enable_tf32, gpu_has_bf16_units
-from cram.train.ramp import full_accumulation
 from cram.train.revisions import parse_revision_steps
 from cram.train.run import RecipeRun
 from cram.train.run_options import RunOptions, check_run_options
@@ -92,7 +91,9 @@ class TrainingOptions:
               "N steps of Pythia's, its state saved at N to go on from with a later --stop-at-step and --resume auto")
     seq_len: int | None = option(None, f"tokens per sequence; unset means {SEQUENCE_LENGTH}")
     global_batch_size: int | None = option(None, f"sequences per optimizer step; unset means {GLOBAL_BATCH}")
-    micro_batch_size: int = option(8, "sequences per forward pass per process")
+    micro_batch_size: int = option(
+        8, "sequences per forward pass per process (resumed on another number of processes: the largest up to this "
+           "that splits the global batch evenly)")
     vocab_size: int | None = option(
         None, "embedding rows; unset means the size's (50304 for most); smaller fits a small local BPE")
     lr: float | None = option(
@@ -185,8 +186,10 @@ def main() -> None:
     config.vocab_size = training.vocab_size or config.vocab_size
     run = RecipeRun("pythia", implementation, precision=precision)
     accelerator = run.accelerator
-    accumulation = full_accumulation(global_batch, training.micro_batch_size, accelerator.num_processes)
-    configure_deepspeed(accelerator, training.micro_batch_size, global_batch, recipe.max_grad_norm)
+    # The global batch split over this launch's processes (again, where a saved run resumes on another count).
+    split = run.split(global_batch, training.micro_batch_size)
+    micro_batch, accumulation = split.micro_batch_size, split.micro_batches
+    configure_deepspeed(accelerator, micro_batch, global_batch, recipe.max_grad_norm)
     scaling = recipe.loss_scaling
     replaced = fp16_loss_scaling(accelerator, scaling.initial_scale_power, scaling.window, scaling.hysteresis,
                                  scaling.min_scale)
@@ -224,9 +227,9 @@ def main() -> None:
         # --stop-at-step may differ: a run stopped early goes on to a later step of the same schedule.
         "training": {key: value for key, value in dataclasses.asdict(training).items() if key != "stop_at_step"},
         "data": {"set": data.name, "sequences": len(data.sequences)},
-        "launch": {"distributed_type": str(accelerator.distributed_type), "num_processes": accelerator.num_processes},
     }, resolved={
-        "max_steps": max_steps, "stop_at_step": stop_at, "seq_len": seq_len, "global_batch_size": global_batch,
+        "max_steps": max_steps, "micro_batch_size": micro_batch, "stop_at_step": stop_at, "seq_len": seq_len,
+        "global_batch_size": global_batch,
         "peak_lr": peak_lr,
         "accumulation": accumulation, "warmup_steps": recipe.warmup_fraction * max_steps,
         # The replication check compares this with the data it is given and with other runs'.
@@ -237,7 +240,7 @@ def main() -> None:
                            if accelerator.state.deepspeed_plugin is not None else None),
     })
     batches = iter(stream_loader(
-        data.sequences, causal_lm_batch, start=session.state.sequences, micro_batch_size=training.micro_batch_size,
+        data.sequences, causal_lm_batch, start=session.state.sequences, micro_batch_size=micro_batch,
         process_index=accelerator.process_index, num_processes=accelerator.num_processes,
         num_workers=run.num_workers, pin_memory=run.device_type == "cuda",
     ))

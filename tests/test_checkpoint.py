@@ -18,6 +18,7 @@ from cram.train.checkpoint import (
     complete_checkpoints,
     find_checkpoint,
 )
+from cram.train.layout import Layout, needs_universal, saved_layout, split_batch
 from cram.train.preemption import Preemption
 from cram.train.state import TrainState
 
@@ -55,6 +56,8 @@ def test_a_checkpoint_of_another_run_is_refused_with_every_difference_named(tmp_
     message = str(refused.value)
     assert "training.lr: 0.001 then, 0.002 now" in message and "data.set: 'abc' then, 'xyz' now" in message
     assert "preset" not in message
+    # A section added to the facts after the checkpoint was written is not compared.
+    check_same_run(saved, {"training": {"preset": "tiny", "lr": 1e-3}, "batch": {"sequences_per_micro_step": 16}}, "x")
 
 
 def test_checkpoints_fall_due_by_step_or_by_time_never_twice_for_one_step():
@@ -160,3 +163,49 @@ def test_only_the_tied_copies_are_kept_from_the_shared_tensor_warning():
     assert passes("Removed shared tensor {'decoder.weight', 'head.bias'} while saving.")
     assert passes("Removed shared tensor {'encoder.weight'} while saving.")
     assert passes("some other warning")
+
+
+@pytest.mark.parametrize(
+    "unit, largest, processes, expected",
+    [(16, 16, 2, (8, 1)),  # one process's micro-step of 16, on two: 8 each
+     (16, 8, 1, (8, 2)),  # two processes' micro-step of 8 each, on one: two micro-batches of 8, not one of 16
+     (4, 1, 1, (1, 4)),  # Pythia's global batch of 4 on one process at a micro-batch of at most 1
+     (12, 8, 2, (6, 1)),  # the largest micro-batch up to 8 that splits each process's share of 6
+     (12, 4, 2, (3, 2))],
+)
+def test_a_moved_run_splits_the_same_global_batch_in_the_largest_micro_batch_that_fits(
+    unit, largest, processes, expected
+):
+    split = split_batch(unit, largest, processes)
+    assert (split.micro_batch_size, split.micro_batches) == expected
+    assert split.micro_batch_size * split.micro_batches * processes == unit
+
+
+def test_a_global_batch_that_the_new_processes_cannot_share_is_refused_in_one_sentence():
+    with pytest.raises(UserError) as refused:
+        split_batch(1024, 8, 3)
+    message = str(refused.value)
+    assert message == ("the run's batch of 1024 sequences cannot be split evenly over 3 processes: resume on a "
+                       "number of processes that divides 1024.")
+
+
+@pytest.mark.parametrize(
+    "saved, current, universal",
+    [(Layout(2, "deepspeed", 1), Layout(2, "deepspeed", 2), True),  # DeepSpeed loads only under the saved stage
+     (Layout(2, "deepspeed", 1), Layout(1, "deepspeed", 1), True),  # and only on as many ranks
+     (Layout(2, "deepspeed", 2), Layout(2, "deepspeed", 3), True),
+     (Layout(2, "deepspeed", 3), Layout(2, "deepspeed", 3), False),
+     (Layout(2, "accelerate"), Layout(1, "accelerate"), False),  # whole model and optimizer files load anywhere
+     (Layout(2, "fsdp"), Layout(4, "fsdp"), False)],  # a distributed checkpoint reshards as it loads
+)
+def test_a_deepspeed_state_goes_through_its_universal_form_only_where_deepspeed_cannot_load_it(
+    saved, current, universal
+):
+    assert needs_universal(saved, current) is universal
+
+
+def test_a_checkpoint_written_before_layouts_were_recorded_names_its_launch():
+    record = {"state": {}, "run": {"launch": {"distributed_type": "DistributedType.DEEPSPEED", "num_processes": 2}}}
+    assert saved_layout(record) == Layout(2, "deepspeed")
+    record["layout"] = {"num_processes": 4, "state_format": "deepspeed", "zero_stage": 3}
+    assert saved_layout(record) == Layout(4, "deepspeed", 3)

@@ -147,8 +147,8 @@ def test_the_single_process_reference_holds_its_whole_32_bit_adamw_state(single_
 
 def test_more_processes_than_cpu_cores_is_refused_before_any_step(tmp_path, monkeypatch, capsys):
     # In this process, as one of the launch's processes sees it (LOCAL_WORLD_SIZE, set by the launcher): the refusal
-    # comes before the process group, so no launch is needed; a launched refusal printed by rank 0 alone is
-    # test_resume.py's (another launch layout) and the DeepSpeed one below.
+    # comes before the process group, so no launch is needed; a launched refusal printed by rank 0 alone is the
+    # DeepSpeed one below.
     too_many = (os.cpu_count() or 1) + 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(too_many))
     status, stderr = run_recipe_in_process(monkeypatch, capsys, RECIPE, [*RUN, "--micro-batch-size", "8",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from cram.errors import UserError
 from cram.models.pythia_model import weight_type
 from cram.models.pythia_recipe import pythia_recipe
 from cram.train.checkpoint import STATE_FILE
+from cram.train.layout import UNIVERSAL_FOLDER
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "pythia.py"
@@ -512,3 +514,176 @@ def test_bad_input_is_refused_in_one_sentence_before_any_step(
     text = refusal(recipe_module, monkeypatch, arguments)
     assert message in text and text.count(". ") == 0
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "final").exists()
+
+
+# Resuming on another allocation (docs/distributed.md#resuming-on-another-allocation): states the runs above left,
+# resumed on another number of processes and ZeRO stage, each new run leaving a state for the next move. The loss
+# after a move may differ from the uninterrupted run's only by the order of the gradient's sums: the same sequences,
+# micro-batches of equal weight, the gradient reduced over M partial sums instead of N. In fp32 (unit roundoff
+# 2^-24 ≈ 6e-8) a regrouped sum of a step's gradients moves each element by a few roundoffs, which moves a loss of
+# about 7 by about 1e-6 per step; a wrong data position, schedule or optimizer state moves it by 1e-3 or more.
+MOVED_FP32_LOSS = 1e-5
+# The gradient norm, a sum of squares over all weights, regroups the same way; it also shows an optimizer state a
+# little off (a parameter group decayed that should not be) before the losses do.
+MOVED_FP32_GRAD_NORM = 1e-5
+# In bf16 the weights, activations and (under DeepSpeed) the reduced gradients round to 8 bits (unit roundoff
+# 2^-8 ≈ 4e-3): regrouping the sums moves each gradient element by up to a roundoff, and the loss by up to about 1e-3
+# a step, as much as two uninterrupted bf16 runs on 1 and 2 processes differ by; a third of the bf16 spacing of a
+# loss of 7 (2^-5 ≈ 0.03) bounds it with room, and still catches a step's sequences read out of place.
+MOVED_BF16_LOSS = 1e-2
+
+
+def state_at(run: Path, step: int, folder: Path) -> Path:
+    """A new output folder holding only `run`'s training state of `step`, to go on from with --resume auto."""
+    name = f"step-{step:08d}"
+    shutil.copytree(run / "checkpoints" / name, folder / "run" / "checkpoints" / name,
+                    ignore=shutil.ignore_patterns(UNIVERSAL_FOLDER))
+    return folder / "run"
+
+
+def resume_launch(config: str, processes: int, data: tuple[Path, Path], output_dir: Path, micro_batch_size: int,
+                  env: dict, *extra) -> subprocess.CompletedProcess:
+    command = [*accelerate_launch(REPO / "accel_configs" / f"{config}.yaml"), "--num_processes", str(processes),
+               *recipe_arguments(data, output_dir, micro_batch_size, "--resume", "auto", *extra)]
+    completed = run(command, cwd=REPO, env=env)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return completed
+
+
+def assert_moved(output_dir: Path, reference: list[dict], moved_from: int, tolerance: float,
+                 grad_norm: float | None = None) -> None:
+    """The run resumed from step `moved_from` has the reference's losses (and gradient norms, to `grad_norm`
+    relative), learning rates and batches after it."""
+    mine = history(output_dir)
+    assert [row["step"] for row in mine] == list(range(1, 6))
+    for row, expected in zip(mine[moved_from:], reference[moved_from:], strict=True):
+        assert row["loss"] == pytest.approx(expected["loss"], abs=tolerance), row["step"]
+        if grad_norm is not None:
+            assert row["grad_norm"] == pytest.approx(expected["grad_norm"], rel=grad_norm), row["step"]
+        assert row["lr"] == pytest.approx(expected["lr"]) and row["batch_size"] == expected["batch_size"] == 4
+    assert json.loads((output_dir / "summary.json").read_text())["sequences"] == 5 * 4
+
+
+@pytest.fixture(scope="module")
+def zero1_on_one_process_under_zero3(tmp_path_factory, recipe_env, megatron_data, zero1_pushed) -> Path:
+    """The 2-process ZeRO-1 run's step-2 state, resumed on 1 process under ZeRO-3 (saving its own step-4 state)."""
+    output_dir = state_at(zero1_pushed[0], 2, tmp_path_factory.mktemp("zero1-to-zero3"))
+    completed = resume_launch("cpu-zero3", 1, megatron_data, output_dir, 1, recipe_env)
+    assert "saved on 2 process(es), deepspeed ZeRO-1, resumed on 1 process(es), deepspeed ZeRO-3" in completed.stdout
+    return output_dir
+
+
+@pytest.mark.slow
+def test_a_zero1_state_of_two_processes_resumes_on_one_under_zero3_to_the_same_losses(
+    zero1_pushed, zero1_on_one_process_under_zero3
+):
+    output_dir = zero1_on_one_process_under_zero3
+    assert_moved(output_dir, history(zero1_pushed[0]), 2, MOVED_FP32_LOSS, MOVED_FP32_GRAD_NORM)
+    options = json.loads((output_dir / "final" / "cram_options.json").read_text())["resolved"]
+    assert (options["num_processes"], options["micro_batch_size"], options["accumulation"]) == (1, 1, 4)
+    # DeepSpeed's universal form, converted once and kept with the state it came from.
+    universal = output_dir / "checkpoints" / "step-00000002" / UNIVERSAL_FOLDER / "pytorch_model" / "zero"
+    assert (universal / "gpt_neox.embed_in.weight" / "exp_avg_sq.pt").is_file()
+
+
+@pytest.mark.slow
+def test_a_zero3_state_of_one_process_resumes_on_two_under_zero2_to_the_same_losses(
+    tmp_path, recipe_env, megatron_data, zero1_pushed, zero1_on_one_process_under_zero3
+):
+    output_dir = state_at(zero1_on_one_process_under_zero3, 4, tmp_path)
+    completed = resume_launch("cpu-zero2", 2, megatron_data, output_dir, 1, recipe_env)
+    assert "saved on 1 process(es), deepspeed ZeRO-3, resumed on 2 process(es), deepspeed ZeRO-2" in completed.stdout
+    assert_moved(output_dir, history(zero1_pushed[0]), 4, MOVED_FP32_LOSS, MOVED_FP32_GRAD_NORM)
+
+
+@pytest.fixture(scope="module")
+def single_process_on_two(tmp_path_factory, recipe_env, megatron_data, single_process) -> Path:
+    """The single process's step-2 state, resumed on 2 DDP processes (saving their own step-4 state)."""
+    output_dir = state_at(single_process, 2, tmp_path_factory.mktemp("one-to-two"))
+    completed = resume_launch("cpu-ddp", 2, megatron_data, output_dir, 2, recipe_env)
+    assert "saved on 1 process(es), accelerate, resumed on 2 process(es), accelerate" in completed.stdout
+    return output_dir
+
+
+@pytest.mark.slow
+def test_a_ddp_state_moves_from_one_process_to_two_and_back_to_the_same_losses(
+    recipe_module, monkeypatch, capsys, tmp_path, megatron_data, single_process, single_process_on_two
+):
+    assert_moved(single_process_on_two, history(single_process), 2, MOVED_FP32_LOSS, MOVED_FP32_GRAD_NORM)
+    options = json.loads((single_process_on_two / "final" / "cram_options.json").read_text())["resolved"]
+    assert (options["num_processes"], options["micro_batch_size"], options["accumulation"]) == (2, 2, 1)
+    # Back on one process, in this process: the two processes' step-4 state, to the end.
+    output_dir = state_at(single_process_on_two, 4, tmp_path)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    monkeypatch.setattr(sys, "argv", ["pythia.py", *map(str, recipe_arguments(megatron_data, output_dir, 2,
+                                                                              "--resume", "auto")[1:])])
+    recipe_module.main()
+    assert "saved on 2 process(es), accelerate, resumed on 1 process(es), accelerate" in capsys.readouterr().out
+    assert_moved(output_dir, history(single_process), 4, MOVED_FP32_LOSS, MOVED_FP32_GRAD_NORM)
+
+
+def test_a_state_resumes_only_in_the_form_it_was_saved_in(recipe_module, monkeypatch, tmp_path, megatron_data,
+                                                           zero1_pushed):
+    # A DeepSpeed state on a launch without DeepSpeed: refused in this process, before any step.
+    output_dir = state_at(zero1_pushed[0], 2, tmp_path)
+    text = refusal(recipe_module, monkeypatch, [*recipe_arguments(megatron_data, output_dir, 1)[1:],
+                                                "--resume", "auto"])
+    assert "its state was saved under deepspeed" in text and "launch with a deepspeed config" in text
+    assert text.count(". ") == 0
+    assert sorted(path.name for path in (output_dir / "checkpoints").iterdir()) == ["step-00000002"]
+
+
+BF16 = ["--precision", "bf16"]
+
+
+@pytest.fixture(scope="module")
+def zero2_bf16(tmp_path_factory, recipe_env, megatron_data) -> Path:
+    """2 processes under ZeRO-2 in bf16, uninterrupted (states at steps 2 and 4): the bf16 moves' reference."""
+    output_dir = tmp_path_factory.mktemp("zero2-bf16") / "run"
+    completed = run(launch_command("cpu-zero2", megatron_data, output_dir, *BF16), cwd=REPO, env=recipe_env)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return output_dir
+
+
+@pytest.mark.slow
+def test_bf16_zero_states_move_from_two_processes_to_one_and_back_across_stages_to_the_same_losses(
+    tmp_path, recipe_env, megatron_data, zero2_bf16
+):
+    # ZeRO-2 on 2 processes → ZeRO-1 on 1 (from step 2) → ZeRO-3 on 2 (from the moved run's step 4).
+    reference = history(zero2_bf16)
+    on_one = state_at(zero2_bf16, 2, tmp_path / "zero1")
+    completed = resume_launch("cpu-zero1", 1, megatron_data, on_one, 1, recipe_env, *BF16)
+    assert "saved on 2 process(es), deepspeed ZeRO-2, resumed on 1 process(es), deepspeed ZeRO-1" in completed.stdout
+    assert_moved(on_one, reference, 2, MOVED_BF16_LOSS)
+    on_two = state_at(on_one, 4, tmp_path / "zero3")
+    completed = resume_launch("cpu-zero3", 2, megatron_data, on_two, 1, recipe_env, *BF16)
+    assert "saved on 1 process(es), deepspeed ZeRO-1, resumed on 2 process(es), deepspeed ZeRO-3" in completed.stdout
+    assert_moved(on_two, reference, 4, MOVED_BF16_LOSS)
+    options = json.loads((on_two / "final" / "cram_options.json").read_text())["resolved"]
+    assert options["mixed_precision"] == "bf16"
+
+
+@pytest.mark.slow
+def test_a_bf16_ddp_state_moves_from_one_process_to_two_and_back_to_the_same_losses(
+    recipe_module, monkeypatch, capsys, tmp_path, recipe_env, megatron_data
+):
+    # The single-process runs in this process: the uninterrupted reference, then the move back from two.
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+
+    def in_this_process(output_dir: Path, *extra) -> str:
+        arguments = recipe_arguments(megatron_data, output_dir, 2, *BF16, *extra)[1:]
+        monkeypatch.setattr(sys, "argv", ["pythia.py", *map(str, arguments)])
+        recipe_module.main()
+        return capsys.readouterr().out
+
+    whole = tmp_path / "whole" / "run"
+    in_this_process(whole)
+    reference = history(whole)
+    on_two = state_at(whole, 2, tmp_path / "two")
+    completed = resume_launch("cpu-ddp", 2, megatron_data, on_two, 2, recipe_env, *BF16)
+    assert "saved on 1 process(es), accelerate, resumed on 2 process(es), accelerate" in completed.stdout
+    assert_moved(on_two, reference, 2, MOVED_BF16_LOSS)
+    back = state_at(on_two, 4, tmp_path / "back")
+    assert "saved on 2 process(es), accelerate, resumed on 1 process(es), accelerate" in in_this_process(
+        back, "--resume", "auto")
+    assert_moved(back, reference, 4, MOVED_BF16_LOSS)

@@ -58,13 +58,21 @@ def resume(output_dir: Path, recipe_env: dict) -> dict:
     return json.loads((output_dir / "summary.json").read_text())
 
 
-def assert_same_curve(resumed: dict, whole: dict) -> None:
+# A run resumed on another number of processes sums each step's gradient in another order: in fp32 (unit roundoff
+# 2^-24 ≈ 6e-8) that moves a loss of about 9 by about 1e-6 a step, compounding over the 20 steps after the move
+# (docs/distributed.md#resuming-on-another-allocation); a wrong data position, schedule or optimizer state moves it
+# by 1e-2 or more.
+MOVED_FP32_LOSS = 1e-4
+MOVED_FP32_GRAD_NORM = 1e-3
+
+
+def assert_same_curve(resumed: dict, whole: dict, loss: float = 1e-5, grad_norm: float = 1e-4) -> None:
     assert [row["step"] for row in resumed["history"]] == list(range(1, 25))
     for mine, theirs in zip(resumed["history"], whole["history"], strict=True):
-        assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-5), mine["step"]
+        assert mine["loss"] == pytest.approx(theirs["loss"], abs=loss), mine["step"]
         assert mine["lr"] == pytest.approx(theirs["lr"]) and mine["batch_size"] == theirs["batch_size"]
         # The losses alone would not show a gradient off by a constant factor: clipping and AdamW hide it.
-        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4), mine["step"]
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=grad_norm), mine["step"]
     assert resumed["sequences"] == whole["sequences"] and resumed["tokens"] == whole["tokens"]
 
 
@@ -177,16 +185,18 @@ def test_ctrl_c_saves_a_state_and_exits_130(stopped_by_ctrl_c):
 
 
 @pytest.mark.slow
-def test_resuming_under_another_launch_layout_is_refused(recipe_env, stopped_by_sigterm):
-    # Two processes where the checkpoint was written by one: refused before any step, by rank 0 alone.
-    output_dir, _ = stopped_by_sigterm
-    before = sorted(path.name for path in (output_dir / "checkpoints").iterdir())
-    command = [Path(sys.executable).with_name("torchrun"), "--nproc_per_node", "2", *recipe(output_dir)[1:],
-               "--resume", "auto"]
+def test_a_state_of_one_process_resumes_on_two_to_the_same_curve(tmp_path, recipe_env, uninterrupted,
+                                                                  stopped_by_sigterm):
+    # Each step of the ramp, one micro-batch of 16 sequences on one process, becomes one of 8 on each of two: the
+    # same sequences at every step, and the same loss, a mean over micro-batches of equal weight (the collator masks
+    # the same count in every sequence), up to the order of the gradient's sums (docs/distributed.md).
+    output_dir = Path(shutil.copytree(stopped_by_sigterm[0], tmp_path / "run"))
+    command = [Path(sys.executable).with_name("torchrun"), "--standalone", "--nproc_per_node", "2",
+               *recipe(output_dir)[1:], "--resume", "auto"]
     completed = run(command, env=recipe_env)
-    assert completed.returncode != 0
-    errors = [line for line in completed.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and errors[0].startswith("error: cannot resume")
-    assert "launch.num_processes: 1 then, 2 now" in errors[0]
-    assert 'recipes/cram.py", line' not in completed.stderr
-    assert sorted(path.name for path in (output_dir / "checkpoints").iterdir()) == before
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "saved on 1 process(es), accelerate, resumed on 2 process(es), accelerate" in completed.stdout
+    resumed = json.loads((output_dir / "summary.json").read_text())
+    assert_same_curve(resumed, uninterrupted, loss=MOVED_FP32_LOSS, grad_norm=MOVED_FP32_GRAD_NORM)
+    resolved = json.loads((output_dir / "final" / "cram_options.json").read_text())["resolved"]
+    assert (resolved["num_processes"], resolved["micro_batch_size"], resolved["full_accumulation"]) == (2, 8, 4)

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from cram.errors import UserError
 from cram.train.accelerator import shut_down
+from cram.train.layout import current_layout, layout_record
 from cram.train.preemption import Preemption
 from cram.train.state import TrainState
 
@@ -131,7 +132,8 @@ class Checkpointer:
 
     A checkpoint is Accelerate's `save_state` (model, optimizer, gradient scaler, every process's RNG states,
     DeepSpeed's sharded states) plus `STATE_FILE`: the step, the data position, the elapsed budget, the log so far,
-    and the facts a resumed run must share with this one (`run`).
+    the facts a resumed run must share with this one (`run`), and the launch layout that wrote it, which a resumed
+    run may change (`cram.train.layout`).
     """
 
     def __init__(
@@ -178,6 +180,7 @@ class Checkpointer:
             # How long the state took to write on every process: a scheduler's notice before a stop must leave
             # room for one (cram.slurm sizes a job's signal grace from it).
             record = {"state": dataclasses.asdict(state), "run": self.run,
+                      "layout": layout_record(current_layout(self.accelerator)),
                       WRITE_SECONDS: round(time.monotonic() - started, 3)}
             (staging / STATE_FILE).write_text(json.dumps(record, indent=1, default=str) + "\n")
             _replace_atomically(staging, target)
@@ -236,19 +239,26 @@ def find_checkpoint(resume: str, directory: str | Path) -> Path | None:
     return path
 
 
+def read_record(path: str | Path) -> dict:
+    """A checkpoint's record: "state", "run" (its facts) and "layout"."""
+    return json.loads((Path(path) / STATE_FILE).read_text())
+
+
 def read_checkpoint(path: str | Path) -> tuple[TrainState, dict]:
     """The training state and run facts recorded in a checkpoint."""
-    record = json.loads((Path(path) / STATE_FILE).read_text())
+    record = read_record(path)
     return TrainState(**record["state"]), record["run"]
 
 
 def check_same_run(saved: dict, current: dict, path: str | Path) -> None:
-    """Refuse to resume when anything that shapes the result differs from the run that wrote the checkpoint."""
+    """Refuse to resume when anything that shapes the result differs from the run that wrote the checkpoint.
+
+    A section the checkpoint lacks altogether was added to the facts after it was written, and is not compared."""
     differences = [
-        f"{section}.{key}: {saved.get(section, {}).get(key)!r} then, {value!r} now"
-        for section, values in current.items()
+        f"{section}.{key}: {saved[section].get(key)!r} then, {value!r} now"
+        for section, values in current.items() if section in saved
         for key, value in values.items()
-        if saved.get(section, {}).get(key) != value
+        if saved[section].get(key) != value
     ]
     if differences:
         raise UserError(
@@ -257,8 +267,9 @@ def check_same_run(saved: dict, current: dict, path: str | Path) -> None:
         )
 
 
-def load_checkpoint(accelerator: Accelerator, path: str | Path) -> TrainState:
-    """Restore model, optimizer, scaler and RNG states on every process; return the training state."""
-    accelerator.load_state(str(path))
+def load_checkpoint(accelerator: Accelerator, path: str | Path, states: str | Path | None = None) -> TrainState:
+    """Restore model, optimizer, scaler and RNG states on every process (from `states`, the checkpoint's DeepSpeed
+    state in another form, where given); return the training state."""
+    accelerator.load_state(str(states or path))
     state, _ = read_checkpoint(path)
     return state

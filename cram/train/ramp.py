@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cram.errors import UserError
 from cram.train.state import TrainState
@@ -81,11 +81,14 @@ class BudgetRamp:
 
     def __init__(
         self, state: TrainState, largest: int, sequences_per_micro_batch: int, budget_seconds: float,
-        ramp_end: float, min_steps: int, decide_after: int = 3,
+        ramp_end: float, min_steps: int, decide_after: int = 3, micro_batches_per_step: int = 1,
     ):
         self.state = state
         self.largest = largest
-        self.sequences_per_micro_batch = sequences_per_micro_batch  # across all processes
+        self.sequences_per_micro_batch = sequences_per_micro_batch  # across all processes: one step of the ramp
+        # Each process's micro-batches in one step of the ramp: more than 1 where a run resumed on fewer processes
+        # than its first launch's, or in smaller micro-batches (`cram.train.layout.split_batch`).
+        self.micro_batches_per_step = micro_batches_per_step
         self.budget_seconds = budget_seconds
         self.ramp_end = ramp_end
         self.min_steps = min_steps
@@ -98,12 +101,13 @@ class BudgetRamp:
             full = self.target_accumulation(pace)
             self.state.target_batch_size = full * self.sequences_per_micro_batch
         full = self.state.target_batch_size // self.sequences_per_micro_batch
-        return ramp_accumulation(pace.progress, full, self.ramp_end)
+        return ramp_accumulation(pace.progress, full, self.ramp_end) * self.micro_batches_per_step
 
     def target_accumulation(self, pace: Pace) -> int:
         """The largest full accumulation whose ramp leaves `min_steps` steps in the run (1 if none does)."""
         still_needed = self.min_steps - self.state.optimizer_steps
+        per_step = replace(pace, seconds_per_micro_batch=pace.seconds_per_micro_batch * self.micro_batches_per_step)
         for full in range(self.largest, 1, -1):
-            if steps_in_budget(full, pace, self.budget_seconds, self.ramp_end, enough=still_needed) >= still_needed:
+            if steps_in_budget(full, per_step, self.budget_seconds, self.ramp_end, enough=still_needed) >= still_needed:
                 return full
         return 1

@@ -19,7 +19,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from cram.errors import UserError
 from cram.hub import BackgroundPusher, push_checkpoint
 from cram.model_card import ModelCardFacts, write_model_card
-from cram.train.accelerator import build_accelerator, parameter_counts, shut_down
+from cram.train.accelerator import build_accelerator, local_main_first, parameter_counts, shut_down
 from cram.train.budget import WallClock
 from cram.train.checkpoint import (
     Checkpointer,
@@ -28,15 +28,28 @@ from cram.train.checkpoint import (
     export_model,
     find_checkpoint,
     load_checkpoint,
-    read_checkpoint,
+    read_record,
 )
 from cram.train.compilation import compile_reason, is_compiled
 from cram.train.curves import write_training_curves
+from cram.train.layout import (
+    UNIVERSAL_FOLDER,
+    BatchSplit,
+    Layout,
+    check_state_format,
+    current_layout,
+    needs_universal,
+    saved_layout,
+    split_batch,
+    universal_checkpoint,
+    unshare_step_counts,
+    use_universal_checkpoint,
+)
 from cram.train.loop import train
 from cram.train.optim import optimizer_state_bytes
 from cram.train.precision import Precision
 from cram.train.preemption import Preemption
-from cram.train.ramp import Pace
+from cram.train.ramp import Pace, full_accumulation
 from cram.train.revisions import (
     REVISIONS_FOLDER,
     RevisionSaver,
@@ -90,6 +103,10 @@ class RecipeRun:
         self.device_type = self.accelerator.device.type
         self.use_compile = is_compiled(self.accelerator)
         self.resume_from = find_checkpoint(options.resume, self.output_dir / "checkpoints")
+        self.layout = current_layout(self.accelerator)
+        # What the checkpoint to resume from records: its facts and the layout that wrote it.
+        self.saved = read_record(self.resume_from) if self.resume_from is not None else None
+        self.saved_layout: Layout | None = saved_layout(self.saved) if self.saved is not None else None
         if options.resume == "none" and complete_checkpoints(self.output_dir / "checkpoints"):
             raise UserError(
                 f"{self.output_dir} already holds checkpoints of a run: continue it with --resume auto, "
@@ -106,6 +123,15 @@ class RecipeRun:
     def is_main_process(self) -> bool:
         return self.accelerator.is_main_process
 
+    def split(self, unit: int, micro_batch_size: int) -> BatchSplit:
+        """`unit` global sequences (a step's batch, or the ramp's step of it) over this launch's processes: in
+        micro-batches of `micro_batch_size` on a fresh run; resumed under another number of processes, in the largest
+        micro-batch up to it that splits the saved run's batch evenly (`cram.train.layout.split_batch`)."""
+        processes = self.accelerator.num_processes
+        if self.saved_layout is None or self.saved_layout.num_processes == processes:
+            return BatchSplit(micro_batch_size, full_accumulation(unit, micro_batch_size, processes))
+        return split_batch(unit, micro_batch_size, processes)
+
     @property
     def num_workers(self) -> int:
         if self.options.num_workers is not None:
@@ -120,15 +146,33 @@ class RecipeRun:
         hand model and optimizer to Accelerate (which compiles the model when asked), restore the saved state when
         resuming, and start the tracker with the resolved options (`resolved`: the recipe's own, beside the run's),
         which are saved beside every exported model."""
+        states = None  # the saved state in the form this launch loads, where it is not the checkpoint's own
         if self.resume_from is not None:
-            check_same_run(read_checkpoint(self.resume_from)[1], facts, self.resume_from)
+            check_same_run(self.saved["run"], facts, self.resume_from)
+            check_state_format(self.saved_layout, self.layout, self.resume_from)
+            if needs_universal(self.saved_layout, self.layout):
+                checkpoint = self.resume_from
+                states = local_main_first(self.accelerator, lambda: universal_checkpoint(checkpoint),
+                                          ready=lambda: (checkpoint / UNIVERSAL_FOLDER).is_dir())
+                use_universal_checkpoint(self.accelerator)
         model, optimizer = self.accelerator.prepare(model, optimizer)
         state = TrainState()
         if self.resume_from is not None:
-            state = load_checkpoint(self.accelerator, self.resume_from)
+            # The options are the saved run's (`check_same_run`); DeepSpeed's ZeRO-3 gives every param group the
+            # first one's hyperparameters when it loads a universal state (stage3.py: "we can obtain from any
+            # parameter"), which would decay the weights kept from decay, so each group gets its own back.
+            hyperparameters = [{key: value for key, value in group.items() if key != "params"}
+                               for group in optimizer.param_groups]
+            state = load_checkpoint(self.accelerator, self.resume_from, states)
+            if states is not None:
+                for group, own in zip(optimizer.param_groups, hyperparameters, strict=True):
+                    group.update(own)
+                unshare_step_counts(optimizer)
             if self.is_main_process:
+                moved = "" if self.saved_layout == self.layout else \
+                    f", saved on {self.saved_layout.describe()}, resumed on {self.layout.describe()}"
                 print(f"resuming from {self.resume_from}: step {state.optimizer_steps}, "
-                      f"{state.elapsed:.0f} s of training done")
+                      f"{state.elapsed:.0f} s of training done{moved}")
         parameters, parameters_held = parameter_counts(model)
         accelerator = self.accelerator
         options = {
