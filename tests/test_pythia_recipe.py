@@ -661,29 +661,3 @@ def test_bf16_zero_states_move_from_two_processes_to_one_and_back_across_stages_
     assert_moved(on_two, reference, 4, MOVED_BF16_LOSS)
     options = json.loads((on_two / "final" / "cram_options.json").read_text())["resolved"]
     assert options["mixed_precision"] == "bf16"
-
-
-@pytest.mark.slow
-def test_a_bf16_ddp_state_moves_from_one_process_to_two_and_back_to_the_same_losses(
-    recipe_module, monkeypatch, capsys, tmp_path, recipe_env, megatron_data
-):
-    # The single-process runs in this process: the uninterrupted reference, then the move back from two.
-    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
-
-    def in_this_process(output_dir: Path, *extra) -> str:
-        arguments = recipe_arguments(megatron_data, output_dir, 2, *BF16, *extra)[1:]
-        monkeypatch.setattr(sys, "argv", ["pythia.py", *map(str, arguments)])
-        recipe_module.main()
-        return capsys.readouterr().out
-
-    whole = tmp_path / "whole" / "run"
-    in_this_process(whole)
-    reference = history(whole)
-    on_two = state_at(whole, 2, tmp_path / "two")
-    completed = resume_launch("cpu-ddp", 2, megatron_data, on_two, 2, recipe_env, *BF16)
-    assert "saved on 1 process(es), accelerate, resumed on 2 process(es), accelerate" in completed.stdout
-    assert_moved(on_two, reference, 2, MOVED_BF16_LOSS)
-    back = state_at(on_two, 4, tmp_path / "back")
-    assert "saved on 2 process(es), accelerate, resumed on 1 process(es), accelerate" in in_this_process(
-        back, "--resume", "auto")
-    assert_moved(back, reference, 4, MOVED_BF16_LOSS)
