@@ -89,9 +89,15 @@ def submit(slurm: SlurmCluster, folder: Path, recipe_env: dict[str, str], argume
     return Job(submitted.stdout.strip().split(";")[0], run_dir)
 
 
-def wait_for_end(slurm: SlurmCluster, job: Job) -> dict[str, str]:
+def wait_for_end(slurm: SlurmCluster, job: Job, or_requeued: bool = False) -> dict[str, str]:
+    """scontrol's fields of `job` once it ended (or, with `or_requeued`, was requeued: a loop would not end)."""
     ended = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
-    launching.wait_until(lambda: slurm.job(job.id)["JobState"] in ended, seconds=JOB_SECONDS, interval=0.5,
+
+    def done() -> bool:
+        fields = slurm.job(job.id)
+        return fields["JobState"] in ended or (or_requeued and fields["Restarts"] != "0")
+
+    launching.wait_until(done, seconds=JOB_SECONDS, interval=0.5,
                          what=f"the end of job {job.id}:\n{job.output()[-3000:]}")
     return slurm.job(job.id)
 
@@ -209,7 +215,7 @@ def test_a_stopped_job_comes_back_each_time_and_reaches_the_uninterrupted_losses
 def test_a_bad_argument_fails_the_job_with_the_recipes_sentence_and_no_requeue(slurm, tmp_path_factory,
                                                                                recipe_env):
     job = submit(slurm, tmp_path_factory.mktemp("refused"), recipe_env, ["--preset", "tiny", "--max-steps", "0"])
-    fields = wait_for_end(slurm, job)
+    fields = wait_for_end(slurm, job, or_requeued=True)
     output = job.output()
     assert fields["JobState"] == "FAILED" and fields["Restarts"] == "0", (fields, output)
     assert output.count("error: --max-steps 0 is not a positive number of steps: give one, e.g. 1000.") == 1, output
