@@ -114,6 +114,9 @@ def slurm_cluster(folder: Path) -> Iterator[SlurmCluster]:
     if missing:
         pytest.fail(f"Slurm is not installed here ({', '.join(missing)} not found): the Slurm tests run a real "
                     f"scheduler; install it with `{INSTALL}` (as root).")
+    if os.geteuid() != 0:
+        pytest.fail("the Slurm tests run slurmd and `unshare --mount`, which need root: run the suite as root, as CI "
+                    "does.")
     folder.chmod(0o755)  # munged wants the folders above its socket searchable
     (folder / "state").mkdir()
     for name in NODES:
