@@ -28,7 +28,7 @@ def test_with_ten_seeds_and_correlated_default_steps_a_faithful_run_fails_at_mos
         quick_calibration):
     # The done criterion: K = 10, the 6 default steps, every pair of steps correlated 0.9 (a seed above the mean at
     # one step tends to stay above it).
-    false_fails = simulated_fail_rate(10, SIMULATED_STEPS, 0.9, 0.0, trials=300, seed=3)
+    false_fails = simulated_fail_rate(10, SIMULATED_STEPS, 0.9, 0.0, trials=400, seed=3)
     power = simulated_fail_rate(10, SIMULATED_STEPS, 0.9, 4.0, trials=100, seed=4)
     # A departure at one late step alone is seen too: every step judged counts, not the first.
     late = simulated_fail_rate(10, SIMULATED_STEPS, 0.9, 6.0, trials=40, at_steps=(SIMULATED_STEPS - 1,), seed=5)
