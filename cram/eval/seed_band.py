@@ -104,9 +104,14 @@ def step_correlation(means: np.ndarray) -> np.ndarray:
 
 
 @cache
-def _standard_draws(references: int, steps: int, draws: int) -> np.ndarray:
-    """The seeded standard normal draws every calibration of this shape starts from: [draws, K + 1, m]."""
-    return np.random.default_rng(CALIBRATION_SEED).standard_normal((draws, references + 1, steps))
+def _standard_draws(references: int, steps: int, draws: int) -> tuple[np.ndarray, np.ndarray]:
+    """The seeded standard normal draws every calibration of this shape starts from, as the two things z needs of
+    them: one more run's difference from the seeds' mean, [draws, m], and the seeds' centred cross-products,
+    [draws, m, m] (z is linear in the draws, so a correlation's root applies to these as to the draws)."""
+    drawn = np.random.default_rng(CALIBRATION_SEED).standard_normal((draws, references + 1, steps))
+    seeds = drawn[:, :references]
+    centred = seeds - seeds.mean(1, keepdims=True)
+    return drawn[:, references] - seeds.mean(1), np.einsum("dki,dkj->dij", centred, centred)
 
 
 def calibrated_critical(correlation: np.ndarray, references: int, alpha: float, draws: int | None = None) -> float:
@@ -114,10 +119,10 @@ def calibrated_critical(correlation: np.ndarray, references: int, alpha: float, 
     all drawn with the steps correlated as `correlation` says: z from the simulated references' own mean and
     spread, as the verdict computes it."""
     values, vectors = np.linalg.eigh(correlation)
-    root = vectors * np.sqrt(np.clip(values, 0, None))
-    drawn = _standard_draws(references, len(correlation), draws or CALIBRATION_DRAWS) @ root.T
-    seeds, one_more = drawn[:, :references], drawn[:, references]
-    z = (one_more - seeds.mean(1)) / (seeds.std(1, ddof=1) * prediction_factor(references))
+    root = vectors * np.sqrt(np.clip(values, 0, None))  # root @ root.T == correlation
+    difference, products = _standard_draws(references, len(correlation), draws or CALIBRATION_DRAWS)
+    variance = ((products @ root.T) * root.T).sum(1) / (references - 1)  # root_j · products · root_j
+    z = (difference @ root.T) / (np.sqrt(variance) * prediction_factor(references))
     return float(np.quantile(np.abs(z).max(1), 1 - alpha))
 
 
