@@ -301,7 +301,7 @@ def check_outcome(status: int, output: Path, log: Path) -> dict:
         critical=rows[0]["critical"], z={row["step"]: row["z"] for row in rows},
         ours={row["step"]: row["ours"] for row in rows}, mean={row["step"]: row["mean"] for row in rows},
         spread={row["step"]: row["spread"] for row in rows},
-        standard_error={row["step"]: row["standard_error"] for row in rows})
+        scoring_error={row["step"]: row["scoring_error"] for row in rows})
     return outcome
 
 

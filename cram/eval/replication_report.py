@@ -35,7 +35,7 @@ def write_report(result: dict, output: Path) -> None:
                      f"{row['low']:.4f} … {row['high']:.4f} | {caught} | {'pass' if row['passed'] else 'FAIL'} | "
                      f"{nearby} |")
     if result.get("skipped_steps"):
-        lines += ["", f"Steps both sides kept, not judged (--steps names them): "
+        lines += ["", f"Steps of our run not judged (--steps names those to judge; each reference must have them): "
                       f"{', '.join(map(str, result['skipped_steps']))}."]
     if "init_std" in result:
         lines += ["", "| weight type | our step-0 std | reference step-0 std |", "|---|---|---|"]

@@ -166,8 +166,8 @@ def reference_facts(location: str, reference: Revisions, step: int) -> RunFacts:
 
 
 def choose_steps(ours: Revisions, references: list[Revisions], asked: list[int] | None) -> tuple[list[int], list[int]]:
-    """The steps to compare, and the steps both sides kept that are not compared: those asked (each refused unless
-    all have it), else a few of those both sides kept (`default_steps`), chosen before any loss is seen."""
+    """The steps to compare, and the steps our run kept that are not compared: those asked (each refused unless all
+    have it), else a few of those both sides kept (`default_steps`), chosen before any loss is seen."""
     our_steps = ours.steps()
     if asked is not None:
         missing_ours = [step for step in asked if step not in our_steps]
@@ -187,7 +187,7 @@ def choose_steps(ours: Revisions, references: list[Revisions], asked: list[int] 
                         f"{', '.join(map(str, our_steps)) or 'none'}, {references[0].location} has "
                         f"{', '.join(map(str, references[0].steps())) or 'none'}.")
     chosen = default_steps(shared)
-    return chosen, [step for step in shared if step not in chosen]
+    return chosen, [step for step in our_steps if step not in chosen]
 
 
 def _same(ours: object, theirs: object) -> bool:
