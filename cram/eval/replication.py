@@ -71,9 +71,8 @@ DEFAULT_ALPHA = 0.05  # the chance that a faithful run fails at some step tested
 DEFAULT_TOLERANCE = 0.1  # nats either side of a single reference
 DEFAULT_BUDGET = "10m"
 # The fewest held-out sequences a budget may buy. Each model's mean loss carries the seed-by-sequence noise over n
-# sequences; the seeds' spread includes it, so the test stays right at any n, but below this it can be most of the
-# spread and the band widens with it (pythia-14m at 33 tokens a sequence, docs/benchmarks.md: 0.009 nats of scoring
-# error at 128 sequences against a seed spread of 0.010). --sequences sets fewer where a user chooses to.
+# sequences; the seeds' spread includes it, so the test stays right at any n, but with few sequences it can be most of
+# the spread and the band widens with it. --sequences sets fewer where a user chooses to.
 MIN_HELDOUT_SEQUENCES = 32
 WEAK_REFERENCES = 3  # with this many references or fewer, Student's t is wide (critical |z| 9.9 at K = 3): say so
 

@@ -39,12 +39,13 @@ EARLY_STEPS_END = 512
 # keep the downloads few (6 × K models) and the power high.
 DEFAULT_EARLY_STEPS = (0, 32, 512)
 DEFAULT_LATE_FRACTIONS = (1 / 3, 2 / 3, 1.0)
-# Below this many references, the correlation between steps is not estimated: Bonferroni. Simulated (numpy, 1000
-# trials, 6 steps equally correlated 0.5, 0.9 or 0.99): with 10 references the calibrated critical value fails a
-# faithful run 3.3–5.3 % of the time at alpha 5 %; with 5, up to 6.5 %.
+# Below this many references, their correlation between steps is too rough an estimate to calibrate on (the
+# simulations in docs/benchmarks.md fail a faithful run more often than alpha with 5): Bonferroni.
 CALIBRATION_MIN_REFERENCES = 8
-CORRELATION_SHRINK = 0.8  # the estimated correlations, times this: with 10 seeds, unshrunk ones failed 5.4–5.8 %
-CALIBRATION_DRAWS = 20_000  # simulated faithful runs; the quantile's own error is about ±0.02 in |z|
+# The estimated correlations, times this: a few seeds overstate how much the steps move together, which would lower
+# the critical value below what alpha allows.
+CORRELATION_SHRINK = 0.8
+CALIBRATION_DRAWS = 20_000  # simulated faithful runs: enough that the quantile's own error is small next to z
 CALIBRATION_SEED = 0  # the simulation is seeded: the same losses always give the same verdict
 
 
