@@ -508,3 +508,19 @@ def test_deduplication_is_recorded_where_the_data_is_prepared(tmp_path):
     assert recorded_deduplication(prefix) is False
     with pytest.raises(UserError, match="nothing to do"):
         megatron_main(["--output", str(tmp_path / "absent" / "document"), "--deduplicated", "no"])
+
+
+def test_a_hub_repository_of_runs_is_compared_by_its_recorded_facts_not_as_a_released_model(tmp_path, tiny_model):
+    # A run pushed with --push-checkpoints: its revisions keep cram_options.json, which the check reads from the Hub.
+    ours = fake_run(tmp_path / "ours", tiny_model, deduplicated=None)
+    pushed = fake_run(tmp_path / "pushed", tiny_model, deduplicated=None)
+    hub = SimpleNamespace(location="lab/pythia-tiny", folder=None, config=lambda step: tiny_model.config,
+                          tokenizer_digest=lambda step: None,
+                          options_file=lambda step: tmp_path / "pushed" / "final" / "cram_options.json")
+    check_comparable(read_run(Path(ours)), ["lab/pythia-tiny"], [hub], 4, Revisions(ours))
+    other = fake_run(tmp_path / "other", tiny_model, weight_decay=0.0)
+    hub.options_file = lambda step: Path(other) / "final" / "cram_options.json"
+    with pytest.raises(UserError, match="cannot compare: our run's weight decay is 0.1 and the reference "
+                                        "lab/pythia-tiny's 0.0"):
+        check_comparable(read_run(Path(ours)), ["lab/pythia-tiny"], [hub], 4, Revisions(ours))
+    assert pushed

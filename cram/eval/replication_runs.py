@@ -245,7 +245,7 @@ def check_comparable(run: RunFacts, locations: list[str], references: list[Revis
             if not _same(mine, their):
                 raise UserError(f"cannot compare: our run's {name} is {mine} and the reference {location}'s {their}: "
                                 "compare runs of one recipe.")
-        if theirs.folder is None:  # a released model: the Pile or the deduplicated Pile, as recorded by ours
+        if released_facts(location) is not None:  # the Pile or the deduplicated Pile, as recorded by ours
             _check_deduplication(run, location, theirs.deduplicated)
             continue
         if run.deduplicated is not None and theirs.deduplicated is not None \
