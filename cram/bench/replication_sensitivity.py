@@ -365,7 +365,7 @@ def simulated_fail_rate(references: int, steps: int, correlation: float, departu
     return fails / trials
 
 
-def simulated_rates(trials: int = 1000) -> dict:
+def simulated_rates(trials: int = 300) -> dict:
     """False-fail rates and detection rates by departure size, at each K and step correlation simulated."""
     rates = {}
     for references in SIMULATED_REFERENCES:
@@ -404,7 +404,7 @@ def main() -> None:
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--simulated-only", action="store_true",
                         help="only the simulated part (seconds): false-fail and detection rates of the verdict")
-    parser.add_argument("--trials", type=int, default=1000, help="trials of each simulated rate")
+    parser.add_argument("--trials", type=int, default=300, help="trials of each simulated rate")
     args = parser.parse_args()
     if args.worker is not None:
         worker(args.worker)
