@@ -1,7 +1,7 @@
 """Benchmark: the replication verdict against runs whose truth is known, pythia-14m trained on the CPU.
 
     python -m cram.bench.replication_sensitivity [--seeds 8] [--departures half-lr,double-lr,...|all] [--jobs 2]
-        [--output-dir runs/bench-replication] [--reuse-runs]
+        [--output-dir runs/bench-replication] [--reuse-runs] [--simulated-only] [--trials 300]
 
 The data: the embedded corpus's documents in one fixed shuffle; the first ones are the training set (a byte-level
 BPE trained on them, and their tokens as a document-level Megatron file), the next ones, which no run sees, the
@@ -20,6 +20,11 @@ rerun scores the same text):
   against seeds 1 … S−1 is "one more faithful seed" against K = S − 1 references;
 - each departure against seeds 1 … K: whether it fails, first at which step, early (≤ 512) or late, its z-scores;
   half the global batch cannot be compared, and must be refused (exit 2).
+
+Before any of that, a simulated part (seconds to minutes; --simulated-only stops there): seeds' mean losses drawn at
+the default steps with the steps correlated, one more run judged by cram.eval.seed_band as the check judges it, the
+false-fail rate and the detection rate by departure size (in seed spreads) at K = 10 and at pythia-160m's matched
+K = 4.
 
 Commands run in --jobs worker processes, each in-process as `python SCRIPT` or `python -m MODULE` runs it (the
 interpreter and its imports start once a worker, not once a command), one thread each. A table goes to stdout,
