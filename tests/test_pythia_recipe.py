@@ -405,7 +405,7 @@ def test_make_pythia_replicate_prints_a_verdict_on_a_run(tmp_path, recipe_env, m
     prefix, _ = megatron_data
     venv = Path(sys.executable).parent.parent
     completed = run(["make", "--no-print-directory", "pythia-replicate", f"RUN={zero3_resumed[0]}",
-         f"REFERENCE={zero1_pushed[0]}", f"DATA={prefix}", f"HELDOUT={heldout_file}", "BUDGET=10s",
+         f"REFERENCE={zero1_pushed[0]}", f"DATA={prefix}", f"HELDOUT={heldout_file}", "BUDGET=20s", "STEPS=0,1,2,4,5",
          f"VENV={venv}"],
                     cwd=REPO, env=recipe_env)
     assert completed.returncode == 0, completed.stderr[-3000:]

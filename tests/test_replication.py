@@ -493,7 +493,7 @@ def test_a_budget_that_affords_too_few_sequences_is_refused_naming_the_budget_ne
     ours = fake_run(tmp_path / "ours", small_model(0), tokenizer=small_data.tokenizer)
     seed = fake_run(tmp_path / "seed", small_model(1), tokenizer=small_data.tokenizer)
     with pytest.raises(UserError, match=r"--budget 0.001s affords 0 held-out sequences, fewer than the 32 .* give "
-                                        r"--budget \d+m or more"):
+                                        r"--budget \d+s or more"):
         replication.main([ours, "--reference", seed, "--data", small_data.prefix, "--heldout", small_data.heldout,
                           "--budget", "0.001s"])
 

@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sequences is None and plan.sequences < MIN_HELDOUT_SEQUENCES:
         raise UserError(f"--budget {args.budget} affords {plan.sequences} held-out sequences, fewer than the "
                         f"{MIN_HELDOUT_SEQUENCES} that keep the scoring's error small next to the seeds' spread: give "
-                        f"--budget {math.ceil(plan.predicted_seconds(MIN_HELDOUT_SEQUENCES) / 60)}m or more "
+                        f"--budget {math.ceil(plan.predicted_seconds(MIN_HELDOUT_SEQUENCES))}s or more "
                         f"({models} model loads, downloads included, and {MIN_HELDOUT_SEQUENCES} sequences each).")
     heldout = heldout_sequences(args.heldout, data.tokenizer, run.seq_len, plan.sequences)
     count = len(heldout.sequences)
