@@ -34,6 +34,7 @@ from accelerate.utils import set_seed
 
 from cram.cli import OptionParser, option, parse_strictly, summary
 from cram.data.causal import causal_data_ready, causal_lm_batch, first_batch_fingerprint, load_causal_data
+from cram.data.megatron import recorded_deduplication
 from cram.data.sampling import stream_loader
 from cram.errors import UserError, run_cli
 from cram.models.pythia_model import (
@@ -235,6 +236,7 @@ def main() -> None:
         # The replication check compares this with the data it is given and with other runs'.
         "first_batch": first_batch_fingerprint(data.sequences, global_batch),
         "weight_decay": recipe.weight_decay, "vocab_size": config.vocab_size, "data": data.name,
+        "deduplicated": recorded_deduplication(training.data),  # as its preparation recorded it, or None
         "released_precision": recipe.precision, "precision_departure": departure,
         "deepspeed_fp16": (accelerator.state.deepspeed_plugin.deepspeed_config.get("fp16")
                            if accelerator.state.deepspeed_plugin is not None else None),

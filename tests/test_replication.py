@@ -22,10 +22,10 @@ from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 from cram.errors import UserError
 from cram.eval import replication
 from cram.eval.replication import DEFAULT_ALPHA, DEFAULT_TOLERANCE, compare, phase_verdict, verdict
-from cram.eval.replication_runs import released_references
+from cram.eval.replication_runs import check_comparable, read_run, reference_set, released_references
 from cram.eval.replication_scoring import parse_budget, plan_scoring, scoring_dtype, sequence_losses
 from cram.eval.run_models import Revisions, read_training_state
-from cram.eval.seed_band import judge_step, t_quantile_two_sided
+from cram.eval.seed_band import t_quantile_two_sided
 from cram.models.pythia_recipe import pythia_checkpoint_steps
 from cram.train.revisions import parse_revision_steps, revisions_disk_line
 
@@ -122,51 +122,6 @@ def test_students_quantile_is_the_tables():
     assert (DEFAULT_ALPHA, DEFAULT_TOLERANCE) == (0.05, 0.1)
 
 
-def seeds_at_steps(generator: torch.Generator, seeds: int, steps: int, spread: float, sequences: int = 16):
-    """Per-sequence losses [seeds, steps, sequences]: a seed's offset at each step (drawn with `spread`) on top of
-    sequence losses all seeds share (the same text) and a little per-sequence noise of their own."""
-    text = 3 + torch.rand(steps, sequences, generator=generator, dtype=torch.float64)
-    offsets = torch.randn(seeds, steps, 1, generator=generator, dtype=torch.float64) * spread
-    return text + offsets + torch.randn(seeds, steps, sequences, generator=generator, dtype=torch.float64) * 0.002
-
-
-def run_fails(losses: torch.Tensor, shift: float = 0.0) -> bool:
-    """Whether the band fails the last seed (moved by `shift` nats) against the others at any step."""
-    steps = losses.shape[1]
-    return any(not judge_step(losses[-1, step] + shift, losses[:-1, step], steps, 0.05, 0.1).passed
-               for step in range(steps))
-
-
-def test_a_faithful_run_fails_at_most_alpha_of_the_time_over_all_steps_and_a_departure_fails():
-    # One more exchangeable seed against five, over eight steps: the min … max rule (with no margin) fails it at
-    # each step with probability 2/6, so almost always somewhere; the band, at most alpha over all the steps.
-    generator = torch.Generator().manual_seed(0)
-    trials = [seeds_at_steps(generator, 6, 8, spread=0.02) for _ in range(400)]
-    false_fails = sum(run_fails(losses) for losses in trials) / len(trials)
-    envelope_fails = sum(any(not losses[:-1, step].mean(1).min() <= losses[-1, step].mean()
-                             <= losses[:-1, step].mean(1).max() for step in range(8)) for losses in trials) / 400
-    assert false_fails <= 0.07 and envelope_fails > 0.8
-    # A run 0.2 nats (ten seed spreads) worse fails; so does a better one.
-    assert all(run_fails(losses, 0.2) for losses in trials[:50]) and all(run_fails(losses, -0.2) for losses in
-                                                                       trials[:50])
-
-
-def test_the_band_is_never_narrower_than_the_scorings_standard_error():
-    # References that agree exactly (no spread): a run that differs only by the scoring's chance still passes, and
-    # its z is measured in that standard error.
-    generator = torch.Generator().manual_seed(1)
-    references = (3 + torch.rand(1, 64, generator=generator, dtype=torch.float64)).expand(5, 64)
-    ours = references[0] + torch.randn(64, generator=generator, dtype=torch.float64) * 0.05
-    judgement = judge_step(ours, references, 4, 0.05, 0.1)
-    assert judgement.spread == pytest.approx(0, abs=1e-12) and judgement.scale == judgement.standard_error > 0
-    assert judgement.passed and judgement.z == pytest.approx((ours.mean() - references[0].mean()).item()
-                                                             / judgement.standard_error)
-    # One reference: no spread to judge by, the tolerance around it.
-    single = judge_step(ours, references[:1], 4, 0.05, 0.1)
-    assert single.spread is None and (single.low, single.high) == pytest.approx(
-        (references[0].mean().item() - 0.1, references[0].mean().item() + 0.1))
-
-
 def test_the_verdict_names_the_first_step_out_which_side_and_each_phase():
     rows = [{"step": 0, "early": True, "ours": 7.0, "low": 6.9, "high": 7.1, "passed": True, "spread": 0.01,
              "z": 0.1, "critical": 3.0},
@@ -201,10 +156,15 @@ def test_a_budget_sizes_the_sequences_from_a_timed_load_and_scoring(tiny_model):
     assert given.sequences == 3
 
 
-def test_released_names_every_seed_where_ten_were_released_and_the_deduplicated_model():
+def test_released_names_the_matched_seeds_where_they_exist_else_every_seed_and_the_deduplicated_model():
+    # pythia-160m: the original and the seeds of its data order (init alone differs), which our run pairs with.
     assert released_references("pythia-160m") == ["EleutherAI/pythia-160m"] + [
-        f"EleutherAI/pythia-160m-seed{seed}" for seed in range(1, 10)]
+        f"EleutherAI/pythia-160m-weight-seed{seed}" for seed in range(1, 4)]
+    assert released_references("pythia-70m") == ["EleutherAI/pythia-70m"] + [
+        f"EleutherAI/pythia-70m-seed{seed}" for seed in range(1, 10)]
     assert released_references("pythia-1b") == ["EleutherAI/pythia-1b"]
+    assert "matched set" in reference_set("pythia-160m", False)
+    assert "differ from it in the init and the data order" in reference_set("pythia-70m", False)
     assert released_references("pythia-160m", deduped=True) == ["EleutherAI/pythia-160m-deduped"]
 
 
@@ -227,15 +187,22 @@ def test_scoring_in_bf16_runs_under_autocast_and_keeps_the_weights_as_saved(tiny
     assert model.dtype == torch.float32
 
 
-def fake_run(folder, model: GPTNeoXForCausalLM, steps: int = 4, data: str = "pile/document", tokenizer=None,
-             **resolved) -> str:
+RECORDED = {"seq_len": 32, "global_batch_size": 8, "mixed_precision": "no", "peak_lr": 1e-3, "weight_decay": 0.1,
+            "deduplicated": False}
+
+
+def fake_run(folder, model: GPTNeoXForCausalLM | GPTNeoXConfig, steps: int = 4, data: str = "pile/document",
+             tokenizer=None, **resolved) -> str:
     """A folder laid out as a Pythia run that finished after `steps` steps: its final model (and `tokenizer`, saved
     beside it as the recipe does), options and summary."""
-    model.save_pretrained(folder / "final")
+    if isinstance(model, GPTNeoXConfig):  # a run whose facts alone are read: its config, no weights
+        model.save_pretrained(folder / "final")
+        model = SimpleNamespace(config=model)
+    else:
+        model.save_pretrained(folder / "final")
     if tokenizer is not None:
         tokenizer.save_pretrained(folder / "final")
-    facts = {"seq_len": 32, "global_batch_size": 8, "max_steps": steps, "vocab_size": model.config.vocab_size,
-             **resolved}
+    facts = {**RECORDED, "max_steps": steps, "vocab_size": model.config.vocab_size, **resolved}
     options = {"resolved": facts, "training": {"size": "pythia-14m", "data": data,
                                                "tokenizer": None if tokenizer is None else str(folder / "final")}}
     (folder / "final" / "cram_options.json").write_text(json.dumps(options))
@@ -270,17 +237,14 @@ def test_a_reference_of_another_recipe_or_vocabulary_is_refused_before_any_scori
     assert not (tmp_path / "out").exists()
 
 
-def test_a_run_on_deduplicated_data_is_refused_the_standard_releases(tmp_path, tiny_model):
-    ours = fake_run(tmp_path / "ours", tiny_model, data="pile-deduped/document")
-    with pytest.raises(UserError, match="deduplicated data.*give --reference released-deduped"):
-        replication.main([ours, "--reference", "released", "--data", "unread", "--heldout", "unread"])
-
-
 @pytest.mark.parametrize("option, message", [(["--sequences", "-5"], "--sequences -5 scores nothing"),
                                              (["--micro-batch-size", "0"], "--micro-batch-size 0"),
                                              (["--alpha", "1.5"], "--alpha 1.5"),
-                                             (["--budget", "0m"], "cannot read --budget '0m'")])
-def test_a_count_that_scores_nothing_is_refused(tmp_path, tiny_model, option, message):
+                                             (["--budget", "0m"], "cannot read --budget '0m'"),
+                                             (["--tolerance", "nan"], "--tolerance nan"),
+                                             (["--tolerance", "inf"], "--tolerance inf"),
+                                             (["--device", "foo"], "--device 'foo' is not a device")])
+def test_a_bad_number_or_device_is_refused(tmp_path, tiny_model, option, message):
     ours = fake_run(tmp_path / "ours", tiny_model)
     with pytest.raises(UserError, match=message):
         replication.main([ours, "--reference", ours, "--data", "unread", "--heldout", "unread", *option])
@@ -312,8 +276,9 @@ def test_data_that_is_not_the_runs_and_another_tokenizer_are_refused(tmp_path, s
     from cram.data.causal import first_batch_fingerprint, load_causal_data
 
     ours = fake_run(tmp_path / "ours", small_model(0), tokenizer=small_data.tokenizer, first_batch="not-this-data")
+    seed = fake_run(tmp_path / "seed", small_model(1), tokenizer=small_data.tokenizer, first_batch="not-this-data")
     with pytest.raises(UserError, match="is not the data our run trained on, in its order"):
-        replication.main([ours, "--reference", ours, "--data", small_data.prefix, "--heldout", small_data.heldout])
+        replication.main([ours, "--reference", seed, "--data", small_data.prefix, "--heldout", small_data.heldout])
     digest = first_batch_fingerprint(load_causal_data(small_data.prefix, 32, 320, str(tmp_path / "ours" / "final"),
                                                       None, 4 * 8).sequences, 8)
     ours = fake_run(tmp_path / "ours-2", small_model(0), tokenizer=small_data.tokenizer, first_batch=digest)
@@ -340,9 +305,12 @@ def test_the_check_scores_held_out_text_and_the_next_batch_and_says_its_time_fir
     result = json.loads((tmp_path / "out" / "replication.json").read_text())
     assert status == (0 if result["passed"] else 1)
     (row,) = result["rows"]
-    assert row["step"] == 4 and len(row["references"]) == 3 and row["spread"] > 0 and row["standard_error"] > 0
-    assert row["z"] == pytest.approx((row["ours"] - row["mean"]) / max(row["spread"] * (1 + 1 / 3) ** 0.5,
-                                                                        row["standard_error"]))
+    assert row["step"] == 4 and len(row["references"]) == 3 and row["spread"] > 0 and row["scoring_error"] > 0
+    assert row["z"] == pytest.approx((row["ours"] - row["mean"]) / (row["spread"] * (1 + 1 / 3) ** 0.5))
+    # Three references: Student's t with 2 degrees of freedom at one step (4.303), and the verdict says it is weak.
+    assert row["critical"] == pytest.approx(4.303, abs=1e-3)
+    assert row["detectable"] == pytest.approx(4.303 * row["spread"] * (1 + 1 / 3) ** 0.5, rel=1e-3)
+    assert "weak: 3 references" in result["verdict"] and "seed spreads" in result["power"]
     assert result["heldout"]["sequences"] == 12 and result["heldout"]["tokens_per_sequence"] == 33
     # The next batch of step 4 is sequences [32, 40), past the 4 × 8 the run read: the index is the run's own, so
     # it is not scored as if it were the next batch.
@@ -371,8 +339,11 @@ def test_the_check_reads_the_data_through_the_index_the_run_built(tmp_path, smal
         low, high = (middle, high) if first_batch(middle) == first_batch(low) else (low, middle)
     ours = fake_run(tmp_path / "ours", small_model(0), steps=low, tokenizer=small_data.tokenizer,
                     global_batch_size=1, first_batch=first_batch(low))
-    status = replication.main([ours, "--reference", ours, "--data", small_data.prefix, "--heldout",
-                               small_data.heldout, "--sequences", "2", "--output", str(tmp_path / "out")])
+    seed = fake_run(tmp_path / "seed", small_model(1), steps=low, tokenizer=small_data.tokenizer,
+                    global_batch_size=1, first_batch=first_batch(low))
+    status = replication.main([ours, "--reference", seed, "--data", small_data.prefix, "--heldout",
+                               small_data.heldout, "--sequences", "2", "--tolerance", "100", "--output",
+                               str(tmp_path / "out")])
     assert status == 0
 
 
@@ -416,3 +387,142 @@ def test_every_deepspeed_state_is_read_as_the_engine_held_it(deepspeed_states, n
     for parameter, tensor in expected["weights"].items():
         assert weights[parameter].dtype == torch.float32, parameter
         assert torch.equal(weights[parameter].to(tensor.dtype), tensor), parameter
+
+
+def stand_in(location: str, config: GPTNeoXConfig, folder=None):
+    """A reference as check_comparable sees one, without the Hub: its config and no tokenizer or options kept."""
+    return SimpleNamespace(location=location, folder=folder, config=lambda step: config,
+                           tokenizer_digest=lambda step: None, options_file=lambda step: None)
+
+
+def pythia_config(hidden: int, layers: int, heads: int) -> GPTNeoXConfig:
+    return GPTNeoXConfig(vocab_size=50304, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                         intermediate_size=4 * hidden)
+
+
+PYTHIA_14M_RUN = {**RECORDED, "seq_len": 2048, "global_batch_size": 1024, "max_steps": 143_000,
+                  "mixed_precision": "fp16", "peak_lr": 1e-3}
+
+
+@pytest.mark.parametrize("location, config, recorded, message", [
+    # pythia-70m's seeds as references of a pythia-14m run, by an explicit Hub name: another size.
+    ("EleutherAI/pythia-70m-seed3", pythia_config(512, 6, 8), {}, "model of width 512, 6 layers, 8 heads"),
+    # The released pythia-14m trained in fp16 at lr 1e-3: a run in fp32, at another lr or weight decay is refused.
+    ("EleutherAI/pythia-14m", pythia_config(128, 6, 4), {"mixed_precision": "no"}, "arithmetic is fp32"),
+    ("EleutherAI/pythia-14m-seed2", pythia_config(128, 6, 4), {"peak_lr": 0.1}, "peak learning rate is 0.1"),
+    ("EleutherAI/pythia-14m", pythia_config(128, 6, 4), {"weight_decay": 0.0}, "weight decay is 0.0"),
+    ("EleutherAI/pythia-14m", pythia_config(128, 6, 4), {"max_steps": 1000}, r"schedule \(steps\) is 1000"),
+    # Deduplication as the data recorded it, not guessed from a path: deduplicated data against the standard Pile,
+    # the standard Pile against the deduplicated model, and data that recorded nothing.
+    ("EleutherAI/pythia-14m", pythia_config(128, 6, 4), {"deduplicated": True}, "give --reference released-deduped"),
+    ("EleutherAI/pythia-14m-deduped", pythia_config(128, 6, 4), {}, "give --reference released[.]"),
+    ("EleutherAI/pythia-14m", pythia_config(128, 6, 4), {"deduplicated": None}, "records no deduplication"),
+    # A Hub repository that is no released model and records nothing of its training: refused, not scored.
+    ("someone/pythia-14m-copy", pythia_config(128, 6, 4), {}, "records no training facts"),
+])
+def test_every_reference_goes_through_one_comparability_check(tmp_path, location, config, recorded, message):
+    model = pythia_config(128, 6, 4)  # pythia-14m's shape; the facts alone are compared, no weights read
+    ours = fake_run(tmp_path / "ours", model, data="/scratch/dedup-study/pile/document",
+                    **{**PYTHIA_14M_RUN, "max_steps": 143_000, **recorded})
+    run = read_run(Path(ours))
+    with pytest.raises(UserError, match=f"cannot compare: .*{message}"):
+        check_comparable(run, [location], [stand_in(location, config)], 4, Revisions(ours))
+    # The released model of the run's own size and recipe, on the standard Pile as recorded, is comparable, whatever
+    # the data's path says.
+    if not recorded and location != "EleutherAI/pythia-14m-deduped":
+        return
+    check_comparable(read_run(Path(fake_run(tmp_path / "faithful", model, data="/scratch/dedup-study/document",
+                                            **PYTHIA_14M_RUN))),
+                     ["EleutherAI/pythia-14m"], [stand_in("EleutherAI/pythia-14m", pythia_config(128, 6, 4))], 4,
+                     Revisions(str(tmp_path / "faithful")))
+
+
+def test_the_run_itself_or_a_seed_given_twice_is_refused(tmp_path, tiny_model):
+    ours = fake_run(tmp_path / "ours", tiny_model)
+    seed = fake_run(tmp_path / "seed", tiny_model)
+    for references, message in (([ours, ours, ours], "is our run itself"), ([seed, str(tmp_path / "." / "seed")],
+                                                                               "is given twice")):
+        arguments = [part for reference in references for part in ("--reference", reference)]
+        with pytest.raises(UserError, match=message):
+            replication.main([ours, *arguments, "--data", "unread", "--heldout", "unread"])
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda options: options.write_text(options.read_text()[:40]), "is not the record of a run of recipes/pythia.py"),
+    (lambda options: options.write_text('{"run": "crammed-bert"}'), "is not the record of a run of recipes/pythia.py"),
+    (lambda options: (options.parent / "model.safetensors").unlink(), "cannot read the model of"),
+])
+def test_a_damaged_reference_is_refused_in_one_sentence(tmp_path, small_data, damage, message):
+    ours = fake_run(tmp_path / "ours", small_model(0), tokenizer=small_data.tokenizer)
+    seeds = [fake_run(tmp_path / f"seed{seed}", small_model(seed), tokenizer=small_data.tokenizer)
+             for seed in (1, 2)]
+    damage(tmp_path / "seed2" / "final" / "cram_options.json")
+    with pytest.raises(UserError, match=message):
+        replication.main([ours, "--reference", seeds[0], "--reference", seeds[1], "--data", small_data.prefix,
+                          "--heldout", small_data.heldout, "--sequences", "2", "--output", str(tmp_path / "out")])
+
+
+def test_bad_held_out_text_is_refused_in_one_sentence(tmp_path, small_data):
+    from cram.data.heldout import heldout_sequences
+
+    corrupt = tmp_path / "val.jsonl.zst"
+    corrupt.write_bytes(Path(small_data.heldout).read_bytes()[:-30] + b"\x00" * 30)
+    with pytest.raises(UserError, match="cannot read the held-out file"):
+        heldout_sequences(corrupt, small_data.tokenizer, 32, 1000)
+    surrogate = tmp_path / "surrogate.jsonl"
+    surrogate.write_text('{"text": "fine"}\n{"text": "broken \\ud800 half"}\n')
+    with pytest.raises(UserError, match="document 2 of the held-out file .* is not text"):
+        heldout_sequences(surrogate, small_data.tokenizer, 4, 100)
+
+
+def test_a_step_named_twice_is_one_test():
+    assert replication.parse_steps("4,4,0") == [0, 4]
+
+
+def test_another_tokenizer_than_the_runs_own_is_refused(tmp_path, small_data):
+    ours = fake_run(tmp_path / "ours", small_model(0), tokenizer=small_data.tokenizer)
+    seed = fake_run(tmp_path / "seed", small_model(1), tokenizer=small_data.tokenizer)
+    other = tmp_path / "other-tokenizer"
+    small_data.other_tokenizer.save_pretrained(other)
+    with pytest.raises(UserError, match="maps text to other ids than the tokenizer our run kept"):
+        replication.main([ours, "--reference", seed, "--data", small_data.prefix, "--heldout", small_data.heldout,
+                          "--tokenizer", str(other)])
+
+
+def test_a_budget_that_affords_too_few_sequences_is_refused_naming_the_budget_needed(tmp_path, small_data):
+    ours = fake_run(tmp_path / "ours", small_model(0), tokenizer=small_data.tokenizer)
+    seed = fake_run(tmp_path / "seed", small_model(1), tokenizer=small_data.tokenizer)
+    with pytest.raises(UserError, match=r"--budget 0.001s affords 0 held-out sequences, fewer than the 32 .* give "
+                                        r"--budget \d+s or more"):
+        replication.main([ours, "--reference", seed, "--data", small_data.prefix, "--heldout", small_data.heldout,
+                          "--budget", "0.001s"])
+
+
+def test_deduplication_is_recorded_where_the_data_is_prepared(tmp_path):
+    from cram.data.megatron import main as megatron_main
+    from cram.data.megatron import recorded_deduplication, write_megatron
+
+    prefix = write_megatron(tmp_path / "pile" / "document", [[1, 2, 3], [4, 5]])
+    assert recorded_deduplication(prefix) is None  # nothing recorded: unknown, whatever the path says
+    megatron_main(["--output", str(prefix), "--deduplicated", "yes"])
+    assert recorded_deduplication(prefix) is True and recorded_deduplication(str(prefix) + ".bin") is True
+    megatron_main(["--output", str(prefix), "--deduplicated", "no"])
+    assert recorded_deduplication(prefix) is False
+    with pytest.raises(UserError, match="nothing to do"):
+        megatron_main(["--output", str(tmp_path / "absent" / "document"), "--deduplicated", "no"])
+
+
+def test_a_hub_repository_of_runs_is_compared_by_its_recorded_facts_not_as_a_released_model(tmp_path, tiny_model):
+    # A run pushed with --push-checkpoints: its revisions keep cram_options.json, which the check reads from the Hub.
+    ours = fake_run(tmp_path / "ours", tiny_model, deduplicated=None)
+    pushed = fake_run(tmp_path / "pushed", tiny_model, deduplicated=None)
+    hub = SimpleNamespace(location="lab/pythia-tiny", folder=None, config=lambda step: tiny_model.config,
+                          tokenizer_digest=lambda step: None,
+                          options_file=lambda step: tmp_path / "pushed" / "final" / "cram_options.json")
+    check_comparable(read_run(Path(ours)), ["lab/pythia-tiny"], [hub], 4, Revisions(ours))
+    other = fake_run(tmp_path / "other", tiny_model, weight_decay=0.0)
+    hub.options_file = lambda step: Path(other) / "final" / "cram_options.json"
+    with pytest.raises(UserError, match="cannot compare: our run's weight decay is 0.1 and the reference "
+                                        "lab/pythia-tiny's 0.0"):
+        check_comparable(read_run(Path(ours)), ["lab/pythia-tiny"], [hub], 4, Revisions(ours))
+    assert pushed

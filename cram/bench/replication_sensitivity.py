@@ -1,7 +1,7 @@
 """Benchmark: the replication verdict against runs whose truth is known, pythia-14m trained on the CPU.
 
     python -m cram.bench.replication_sensitivity [--seeds 8] [--departures half-lr,double-lr,...|all] [--jobs 2]
-        [--output-dir runs/bench-replication] [--reuse-runs]
+        [--output-dir runs/bench-replication] [--reuse-runs] [--simulated-only] [--trials 300]
 
 The data: the embedded corpus's documents in one fixed shuffle; the first ones are the training set (a byte-level
 BPE trained on them, and their tokens as a document-level Megatron file), the next ones, which no run sees, the
@@ -20,6 +20,11 @@ rerun scores the same text):
   against seeds 1 … S−1 is "one more faithful seed" against K = S − 1 references;
 - each departure against seeds 1 … K: whether it fails, first at which step, early (≤ 512) or late, its z-scores;
   half the global batch cannot be compared, and must be refused (exit 2).
+
+Before any of that, a simulated part (seconds to minutes; --simulated-only stops there): seeds' mean losses drawn at
+the default steps with the steps correlated, one more run judged by cram.eval.seed_band as the check judges it, the
+false-fail rate and the detection rate by departure size (in seed spreads) at K = 10 and at pythia-160m's matched
+K = 4.
 
 Commands run in --jobs worker processes, each in-process as `python SCRIPT` or `python -m MODULE` runs it (the
 interpreter and its imports start once a worker, not once a command), one thread each. A table goes to stdout,
@@ -98,15 +103,15 @@ def departures(scale: Scale) -> dict[str, Departure]:
     half_batch = str(scale.global_batch_size // 2)
     known = (
         Departure("half-lr", f"half the peak learning rate (--lr {peak_lr / 2:g}, the size's {peak_lr:g})",
-                  {"--lr": f"{peak_lr / 2:g}"}),
+                  {"--lr": f"{peak_lr / 2:g}"}, comparable=False),
         Departure("double-lr", f"double the peak learning rate (--lr {peak_lr * 2:g}, the size's {peak_lr:g})",
-                  {"--lr": f"{peak_lr * 2:g}"}),
+                  {"--lr": f"{peak_lr * 2:g}"}, comparable=False),
         Departure("no-warm-up", f"no warm-up: the cosine from the peak at step 0 (the recipe warms up over "
                                 f"{recipe.warmup_fraction:.0%} of the steps)", recipe_fields={"warmup_fraction": 0.0}),
         Departure("neox-init", f"GPT-NeoX's default init (normal {NEOX_INIT_STD:g}, scaled_normal), where the size's "
                                "config names small_init and wang_init", size_fields={"init": NEOX_DEFAULT}),
         Departure("no-weight-decay", f"no weight decay (the recipe's {recipe.weight_decay:g})",
-                  recipe_fields={"weight_decay": 0.0}),
+                  recipe_fields={"weight_decay": 0.0}, comparable=False),
         Departure("adam-beta2-0.999", f"Adam's beta2 0.999 (the recipe's {recipe.betas[1]:g})",
                   recipe_fields={"betas": (recipe.betas[0], 0.999)}),
         Departure("half-batch", f"half the global batch (--global-batch-size {half_batch})",
@@ -187,6 +192,7 @@ def check_command(run: Path, references: list[Path], data: Data, scale: Scale, o
     return ["-m", "cram.eval.replication", str(run), *(part for reference in references
                                                         for part in ("--reference", str(reference))),
             "--data", str(data.prefix), "--heldout", str(data.heldout), "--sequences", str(scale.heldout_sequences),
+            "--steps", ",".join(map(str, scale.steps)),
             "--device", "cpu", "--micro-batch-size", "32", "--output", str(output)]
 
 
@@ -300,7 +306,7 @@ def check_outcome(status: int, output: Path, log: Path) -> dict:
         critical=rows[0]["critical"], z={row["step"]: row["z"] for row in rows},
         ours={row["step"]: row["ours"] for row in rows}, mean={row["step"]: row["mean"] for row in rows},
         spread={row["step"]: row["spread"] for row in rows},
-        standard_error={row["step"]: row["standard_error"] for row in rows})
+        scoring_error={row["step"]: row["scoring_error"] for row in rows})
     return outcome
 
 
@@ -331,6 +337,63 @@ def machine() -> dict:
     return {"cpu": model, "cores": os.cpu_count(), "load_average": os.getloadavg()}
 
 
+# The simulated part: seeds' mean losses drawn at the default steps with the steps equally correlated, one more run
+# judged against K of them by cram.eval.seed_band as the check judges it.
+SIMULATED_STEPS = 6  # as many as cram.eval.seed_band.default_steps picks from Pythia's 154
+SIMULATED_CORRELATIONS = (0.5, 0.9, 0.99)
+SIMULATED_DEPARTURES = (2.0, 3.0, 4.0, 6.0)  # seed spreads, at every step judged
+SIMULATED_REFERENCES = (10, 4)  # PolyPythias' ten seeds of a size; pythia-160m's matched set (original + 3)
+
+
+def simulated_fail_rate(references: int, steps: int, correlation: float, departure: float, trials: int,
+                        alpha: float = 0.05, at_steps: tuple[int, ...] | None = None, seed: int = 0) -> float:
+    """The share of `trials` in which one more run, `departure` seed spreads off at `at_steps` (unset: every step),
+    fails against `references` seeds, all drawn with each pair of steps correlated `correlation`; each trial's
+    critical value found as the check finds it (calibrated or Bonferroni)."""
+    import numpy as np
+    import torch
+
+    from cram.eval.seed_band import judge_steps
+
+    generator = np.random.default_rng(seed)
+    covariance = np.full((steps, steps), correlation) + np.eye(steps) * (1 - correlation)
+    root = np.linalg.cholesky(covariance)
+    shift = np.zeros(steps)
+    shift[list(range(steps) if at_steps is None else at_steps)] = departure
+    fails = 0
+    for _ in range(trials):
+        drawn = generator.standard_normal((references + 1, steps)) @ root.T
+        ours = [torch.tensor([value]) for value in drawn[references] + shift]
+        seeds = [torch.tensor(drawn[:references, step:step + 1]) for step in range(steps)]
+        judgements, _ = judge_steps(ours, seeds, alpha, 0.1)
+        fails += not all(judgement.passed for judgement in judgements)
+    return fails / trials
+
+
+def simulated_rates(trials: int = 300) -> dict:
+    """False-fail rates and detection rates by departure size, at each K and step correlation simulated."""
+    rates = {}
+    for references in SIMULATED_REFERENCES:
+        for correlation in SIMULATED_CORRELATIONS:
+            row = {"faithful": simulated_fail_rate(references, SIMULATED_STEPS, correlation, 0.0, trials)}
+            for departure in SIMULATED_DEPARTURES:
+                row[f"{departure:g}"] = simulated_fail_rate(references, SIMULATED_STEPS, correlation, departure,
+                                                            trials, seed=1)
+            row["6 at the last step only"] = simulated_fail_rate(references, SIMULATED_STEPS, correlation, 6.0,
+                                                                  trials, at_steps=(SIMULATED_STEPS - 1,), seed=2)
+            rates[f"K={references}, correlation {correlation:g}"] = row
+    return rates
+
+
+def print_simulated(rates: dict, trials: int) -> None:
+    columns = list(next(iter(rates.values())))
+    print(f"simulated: {trials} trials each, {SIMULATED_STEPS} steps; fail rate of a faithful run and of one "
+          "departing by this many seed spreads at every step")
+    print(f"{'':<28}" + "".join(f"{column:>26}" for column in columns))
+    for name, row in rates.items():
+        print(f"{name:<28}" + "".join(f"{row[column]:>26.3f}" for column in columns))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=8,
@@ -344,10 +407,18 @@ def main() -> None:
     parser.add_argument("--reuse-runs", action="store_true",
                         help="keep the data and the runs a previous call finished here, and check them again")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--simulated-only", action="store_true",
+                        help="only the simulated part (seconds): false-fail and detection rates of the verdict")
+    parser.add_argument("--trials", type=int, default=300, help="trials of each simulated rate")
     args = parser.parse_args()
     if args.worker is not None:
         worker(args.worker)
         return
+    simulated = simulated_rates(args.trials)
+    print_simulated(simulated, args.trials)
+    if args.simulated_only:
+        return
+    print()
     known = departures(BENCH_SCALE)
     chosen = list(known) if args.departures == "all" else [name.strip() for name in args.departures.split(",")]
     unknown = [name for name in chosen if name not in known]

@@ -49,12 +49,18 @@ def heldout_sequences(path: str | Path, tokenizer: PreTrainedTokenizerBase, seq_
     (source,) = resolve_sources([str(path)])
     tokens: list[int] = []
     documents = 0
-    texts = (record["text"] for record in iter_records(source, "text", "", "", False, {}) if "text" in record)
-    for ids in tokenized_documents(texts, tokenizer):
-        tokens += ids
-        documents += 1
-        if len(tokens) >= needed:
-            break
+    try:
+        for ids in tokenized_documents(_texts(source, path), tokenizer):
+            tokens += ids
+            documents += 1
+            if len(tokens) >= needed:
+                break
+    except UserError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a damaged zstandard frame, a line that is not JSON: one sentence
+        raise UserError(f"cannot read the held-out file {path} after {documents:,} documents ({type(err).__name__}: "
+                        f"{str(err)[:80]}): give a whole copy of the Pile's validation split or another file of "
+                        "JSON lines with a 'text' field.") from None
     available = len(tokens) // length
     if available == 0:
         raise UserError(f"{path} holds {len(tokens):,} tokens, less than one sequence of {length}: give a longer "
@@ -62,3 +68,18 @@ def heldout_sequences(path: str | Path, tokenizer: PreTrainedTokenizerBase, seq_
     kept = min(count, available)
     sequences = torch.tensor(tokens[:kept * length], dtype=torch.int64).view(kept, length)
     return HeldOut(sequences, path, documents)
+
+
+def _texts(source, path: Path):
+    """The documents' texts, each checked to be text a tokenizer can read (a lone surrogate, written by a JSON
+    encoder from broken UTF-16, is not)."""
+    for number, record in enumerate(iter_records(source, "text", "", "", False, {})):
+        if "text" not in record:
+            continue
+        text = record["text"]
+        try:
+            text.encode("utf-8")
+        except (UnicodeEncodeError, AttributeError):
+            raise UserError(f"document {number + 1} of the held-out file {path} is not text (a lone surrogate or "
+                            "not a string): clean the file, or give the Pile's validation split as it ships.") from None
+        yield text

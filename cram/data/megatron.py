@@ -9,6 +9,7 @@ This is the format of the data Pythia was trained on. Two kinds of file, told ap
     tokens = MegatronTokens("pile/document")              # checks .idx against .bin, maps both, reads nothing
 
     python -m cram.data.megatron corpus/ --output data/document   # text -> .bin/.idx (+ a trained BPE tokenizer)
+    python -m cram.data.megatron --output pile/document --deduplicated no   # record what a downloaded pair is
 
 `.idx` layout: magic b"MMIDIDX\\x00\\x00", version (uint64 = 1), dtype code (uint8), sequence count L (uint64),
 document count D (uint64), then int32 sizes[L], int64 byte pointers[L], int64 document index[D].
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import struct
 from collections.abc import Iterable, Iterator
@@ -206,6 +208,34 @@ def write_megatron(prefix: str | Path, documents: Iterable[Iterable[int]], dtype
     return prefix
 
 
+# Beside PREFIX.bin/.idx, what the data is, recorded where it is prepared (here, or by hand for EleutherAI's
+# downloads): whether it is deduplicated, which the replication check needs to pick the released models it may be
+# compared with, and must not guess from the path's name.
+FACTS_SUFFIX = ".facts.json"
+
+
+def record_deduplication(prefix: str | Path, deduplicated: bool) -> Path:
+    """Record beside a Megatron pair whether its documents were deduplicated (the deduplicated Pile)."""
+    path = split_prefix(prefix).with_suffix(FACTS_SUFFIX)
+    staging = path.with_name(path.name + ".tmp")
+    staging.write_text(json.dumps({"deduplicated": deduplicated}) + "\n")
+    os.replace(staging, path)
+    return path
+
+
+def recorded_deduplication(source: str | Path) -> bool | None:
+    """Whether the data at `source` was recorded as deduplicated when it was prepared; None where nothing was
+    recorded (or the source is not a Megatron pair)."""
+    if not is_megatron(source):
+        return None
+    path = split_prefix(source).with_suffix(FACTS_SUFFIX)
+    try:
+        value = json.loads(path.read_text()).get("deduplicated")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, bool) else None
+
+
 def tokenized_documents(texts: Iterable[str], tokenizer: PreTrainedTokenizerBase) -> Iterator[list[int]]:
     """Each text's tokens followed by the end-of-text token, as GPT-NeoX's preprocessing writes documents."""
     end_of_text = tokenizer.eos_token_id
@@ -224,13 +254,25 @@ def main(argv: list[str] | None = None) -> None:
         description="Tokenize text into a Megatron .bin/.idx pair (one index entry per document) that "
                     "recipes/pythia.py trains on; the tokenizer is saved beside it as PREFIX's folder/tokenizer.",
     )
-    parser.add_argument("sources", nargs="+", help="text files or folders (.txt .jsonl …), or 'embedded'")
+    parser.add_argument("sources", nargs="*",
+                        help="text files or folders (.txt .jsonl …), or 'embedded'; none: only record "
+                             "--deduplicated for the pair at --output (EleutherAI's downloads)")
     parser.add_argument("--output", required=True, help="the PREFIX of PREFIX.bin and PREFIX.idx")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub name; unset trains a byte-level BPE")
     parser.add_argument("--vocab-size", type=int, default=50277, help="vocabulary of the BPE trained when unset")
     parser.add_argument("--max-documents", type=int, default=0, help="at most this many documents (0: all)")
+    parser.add_argument("--deduplicated", choices=("yes", "no"), default=None,
+                        help="whether the documents were deduplicated (the deduplicated Pile: yes), recorded beside "
+                             "the pair for the replication check")
     args = parser.parse_args(argv)
     prefix = split_prefix(args.output)
+    if not args.sources:
+        if args.deduplicated is None or not is_megatron(prefix):
+            raise UserError(f"nothing to do: give text sources to write {prefix}.bin/.idx, or --deduplicated yes|no "
+                            "to record for an existing pair.")
+        print(f"recorded in {record_deduplication(prefix, args.deduplicated == 'yes')}: deduplicated "
+              f"{args.deduplicated}")
+        return
     sources = resolve_sources(args.sources)
 
     def texts() -> Iterator[str]:
@@ -247,6 +289,8 @@ def main(argv: list[str] | None = None) -> None:
     dtype = np.uint16 if len(tokenizer) <= 2**16 else np.int32
     write_megatron(prefix, tokenized_documents(texts(), tokenizer), dtype=dtype)
     tokenizer.save_pretrained(prefix.parent / "tokenizer")
+    if args.deduplicated is not None:
+        record_deduplication(prefix, args.deduplicated == "yes")
     tokens = MegatronTokens(prefix)
     print(f"wrote {tokens.num_sequences:,} documents, {tokens.num_tokens:,} tokens to {prefix}.bin/.idx; "
           f"tokenizer ({len(tokenizer):,} tokens) in {prefix.parent / 'tokenizer'}")

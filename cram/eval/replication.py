@@ -1,35 +1,41 @@
 """Replication check: is our Pythia run Pythia? Our model against the released seeds, step by step, with a verdict.
 
     python -m cram.eval.replication runs/pythia-160m-4xa100 --reference released --data pile/document \\
-        --heldout pile/val.jsonl.zst --steps 0,512,1000,2000 --budget 10m
+        --heldout pile/val.jsonl.zst --budget 10m
 
-For each step N, our model at step N and each reference at step N score the same held-out text: the first sequences
-of --heldout (the Pile's validation split, laid out as the Pile ships it), which no model trained on; as many as
---budget affords (or --sequences). Besides, ours and the first reference (seed 1234 for `released`) score the batch
-of step N of the run's data, the next batch neither has trained on, for a second look. Our model at step N is read
-from whatever the run kept: its revisions (OUTPUT_DIR/revisions/stepN), a training state (Accelerate's
-model.safetensors, DeepSpeed's ZeRO-1/2/3 and BF16_Optimizer shards, FSDP's sharded or full states) or its final
-model.
+For each step N judged, our model at step N and each reference at step N score the same held-out text: the first
+sequences of --heldout (the Pile's validation split, laid out as the Pile ships it), which no model trained on,
+tokenized with the run's own tokenizer; as many as --budget affords, the loads and downloads counted (or
+--sequences). Besides, ours and the first reference score the batch of step N of the run's data, the next batch
+neither has trained on, for a second look. Our model at step N is read from whatever the run kept: its revisions
+(OUTPUT_DIR/revisions/stepN), a training state (Accelerate's model.safetensors, DeepSpeed's ZeRO-1/2/3 and
+BF16_Optimizer shards, FSDP's sharded or full states) or its final model. The steps judged, unless --steps names
+them, are a few of those both sides kept, chosen before any loss is seen (cram.eval.seed_band.default_steps).
 
 A reference is a Hub repository with `stepN` revisions (a released model, or a run pushed with --push-checkpoints),
 a local folder holding one `stepN` folder per revision, or another run's --output-dir; `released` names the released
-models of the run's size (for pythia-14m … 410m the original, seed 1234, and PolyPythias' seeds 1 to 9),
-`released-deduped` those of the deduplicated Pile (one model a size).
+models of the run's size that judge it best: for pythia-160m the original and the seeds that differ from it in the
+init alone (its data order, which our run reads), for pythia-14m … 410m the original and PolyPythias' nine other
+seeds, else the original alone; `released-deduped` the deduplicated Pile's model (one a size). Every reference,
+whatever its kind, goes through one comparability check (`check_comparable`): size, vocabulary and tokenizer,
+arithmetic, learning rate, weight decay, schedule, batch and length, the data's deduplication as recorded when it was
+prepared, and another run's first batch; the run itself or a reference given twice is refused.
 
 The verdict (`cram.eval.seed_band`): with several references, a step passes where our loss lies within the
-prediction interval of one more seed from the references' mean and spread there, corrected for the number of steps
-tested (--alpha is the chance that a faithful run fails somewhere) and never narrower than the scoring's own
-standard error; each step gets a z-score, and the early steps (≤ 512) and the late ones get verdicts of their own.
-With one reference there is no spread to judge by: the step passes within --tolerance nats of it. Exit status: 0
-PASS; 1 FAIL, naming the first step out; 2 with one sentence where the run and a reference cannot be compared
-(another vocabulary or tokenizer; another run's sequence length, batch, schedule or data; for the released models,
-Pythia's own), --data is not the run's, or the input is bad; 3 for any other failure. Written to OUTPUT (default
+prediction interval of one more seed from the references' mean and spread there (Student t), the critical value set
+so that a faithful run fails anywhere among the steps judged with probability --alpha (calibrated on the references'
+own correlation between steps, or Bonferroni's with few references); each step gets a z-score and the smallest
+departure it would catch, and the early steps (≤ 512) and the late ones get verdicts of their own. With one
+reference there is no spread to judge by: the step passes within --tolerance nats of it. Exit status: 0 PASS; 1
+FAIL, naming the first step out; 2 with one sentence where a reference cannot be compared with the run, --data is
+not the run's, the budget is too small, or the input is bad; 3 for any other failure. Written to OUTPUT (default
 RUN_DIR/replication): the table (replication.md), the figures (replication.json) and a PNG of the losses by step.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import traceback
 from pathlib import Path
@@ -54,7 +60,7 @@ from cram.eval.replication_scoring import (
     sequence_losses,
 )
 from cram.eval.run_models import Revisions
-from cram.eval.seed_band import EARLY_STEPS_END, judge_step
+from cram.eval.seed_band import EARLY_STEPS_END, judge_steps
 from cram.models.pythia_model import weight_type
 
 # The activation the released models trained with: every pythia-*.yml sets "bias-gelu-fusion": true, GPT-NeoX v1.0's
@@ -64,6 +70,11 @@ REFERENCE_ACTIVATION = "gelu_fast"
 DEFAULT_ALPHA = 0.05  # the chance that a faithful run fails at some step tested
 DEFAULT_TOLERANCE = 0.1  # nats either side of a single reference
 DEFAULT_BUDGET = "10m"
+# The fewest held-out sequences a budget may buy. Each model's mean loss carries the seed-by-sequence noise over n
+# sequences; the seeds' spread includes it, so the test stays right at any n, but with few sequences it can be most of
+# the spread and the band widens with it. --sequences sets fewer where a user chooses to.
+MIN_HELDOUT_SEQUENCES = 32
+WEAK_REFERENCES = 3  # with this many references or fewer, Student's t is wide (critical |z| 9.9 at K = 3): say so
 
 
 def init_stds(model: PreTrainedModel) -> dict[str, float]:
@@ -80,12 +91,13 @@ def compare(
     run: RunFacts, references: list[Revisions], steps: list[int], heldout: HeldOut,
     next_batches: dict[int, tuple[int, torch.Tensor] | None], *, alpha: float = DEFAULT_ALPHA,
     tolerance: float = DEFAULT_TOLERANCE, device: torch.device = CPU, dtype: torch.dtype = torch.float32,
-    micro_batch_size: int = 8,
+    micro_batch_size: int = 8, reference_set: str | None = None,
 ) -> dict:
-    """Score ours and every reference on the held-out sequences at each step, and judge each step; `next_batches`:
-    per step, (its first serial, the tokens) of the run's batch of that step, or None past the data's end."""
+    """Score ours and every reference on the held-out sequences at each step, then judge the steps together (their
+    critical value depends on all of them); `next_batches`: per step, (its first serial, the tokens) of the run's
+    batch of that step, or None past the data's end."""
     ours = Revisions(str(run.folder))
-    rows, init = [], None
+    rows, init, our_scores, reference_scores = [], None, [], []
     for step in steps:
         our_model = ours.load(step)
         our_losses = sequence_losses(our_model, heldout.sequences, micro_batch_size, device, dtype)
@@ -96,12 +108,10 @@ def compare(
             if first_reference is None:
                 first_reference = model
             del model
-        judgement = judge_step(our_losses, torch.stack(reference_losses), len(steps), alpha, tolerance)
-        row = {"step": step, "early": step <= EARLY_STEPS_END, "ours": judgement.ours,
-               "references": [losses.mean().item() for losses in reference_losses], "mean": judgement.mean,
-               "spread": judgement.spread, "standard_error": judgement.standard_error, "z": judgement.z,
-               "critical": judgement.critical, "low": judgement.low, "high": judgement.high,
-               "passed": judgement.passed, "next_batch": None}
+        our_scores.append(our_losses)
+        reference_scores.append(torch.stack(reference_losses))
+        row = {"step": step, "early": step <= EARLY_STEPS_END,
+               "references": [losses.mean().item() for losses in reference_losses], "next_batch": None}
         if next_batches.get(step) is not None:
             first, tokens = next_batches[step]
             row["next_batch"] = {
@@ -112,25 +122,57 @@ def compare(
         if step == 0:
             init = {"ours": init_stds(our_model), "reference": init_stds(first_reference)}
         del our_model, first_reference
+    judgements, method = judge_steps(our_scores, reference_scores, alpha, tolerance)
+    for row, judgement in zip(rows, judgements, strict=True):
+        row.update({"ours": judgement.ours, "mean": judgement.mean, "spread": judgement.spread,
+                    "scoring_error": judgement.scoring_error, "z": judgement.z, "critical": judgement.critical,
+                    "low": judgement.low, "high": judgement.high, "passed": judgement.passed,
+                    "detectable": judgement.detectable, "detectable_spreads": judgement.detectable_spreads})
     failed = next((row for row in rows if not row["passed"]), None)
-    several = len(references) > 1
+    count = len(references)
+    several = count > 1
     result = {"run": str(run.folder), "references": [reference.location for reference in references],
+              "reference_set": reference_set,
               "heldout": {"path": str(heldout.path), "sequences": len(heldout.sequences),
                           "tokens_per_sequence": heldout.sequences.shape[1], "documents": heldout.documents,
                           "fingerprint": heldout.fingerprint},
               "precision": str(dtype).removeprefix("torch."), "device": str(device),
               "reference_activation": REFERENCE_ACTIVATION, "alpha": alpha if several else None,
-              "tolerance": None if several else tolerance,
-              "bounds": (f"the interval one more of the {len(references)} seeds falls in (Student t, "
-                         f"{len(references) - 1} degrees of freedom, alpha {alpha:g} over {len(steps)} steps)"
+              "tolerance": None if several else tolerance, "critical_method": method,
+              "bounds": (f"the interval one more of the {count} seeds falls in (Student t, {count - 1} degrees of "
+                         f"freedom; critical |z| {judgements[0].critical:.2f}: {method}; alpha {alpha:g} over all "
+                         f"{len(steps)} steps)"
                          if several else f"the reference ± {tolerance:g} nats (one reference: no spread to judge by)"),
               "rows": rows, "passed": failed is None, "first_failed_step": None if failed is None else failed["step"],
               "phases": {name: phase_verdict([row for row in rows if row["early"] == early])
                          for name, early in (("early", True), ("late", False))}}
+    result["power"] = power_statement(result)
     if init is not None:
         result["init_std"] = init
     result["verdict"] = verdict(result)
     return result
+
+
+def power_statement(result: dict) -> str:
+    """What the test can see: the smallest departure it catches at each step (about half the time: one that puts
+    our loss on the band's edge), and how weak the verdict is with few references."""
+    rows, count = result["rows"], len(result["references"])
+    if count == 1:
+        return (f"weak: one reference, no spread to judge by; only a departure of more than {result['tolerance']:g} "
+                "nats from it is caught, whatever the seeds' spread is")
+    smallest = "; ".join(f"step {row['step']}: {row['detectable']:.4f} nats ({row['detectable_spreads']:.1f} seed "
+                         "spreads)" if row["detectable_spreads"] is not None else
+                         f"step {row['step']}: {row['detectable']:.4f} nats" for row in rows)
+    text = f"the smallest departure caught (about half the time), at alpha {result['alpha']:g}: {smallest}"
+    if count <= WEAK_REFERENCES:
+        text = (f"weak: {count} references give Student's t {count - 1} degrees of freedom, so only departures of "
+                f"more than {rows[0]['critical'] * math.sqrt(1 + 1 / count):.1f} seed spreads are caught; {text}")
+    noisy = [row["step"] for row in rows if row["scoring_error"] and row["spread"]
+             and row["scoring_error"] > row["spread"] / 2]
+    if noisy:
+        text += (f"; at steps {', '.join(map(str, noisy))} the scoring's own error is more than half the seeds' "
+                 "spread: more held-out sequences (--budget) would narrow the band")
+    return text
 
 
 def phase_verdict(rows: list[dict]) -> dict:
@@ -150,16 +192,18 @@ def verdict(result: dict) -> str:
             outcome = "pass" if phase["passed"] else f"FAIL from step {phase['first_failed_step']}"
             phases.append(f"{label}: {outcome}")
     phases_text = "; ".join(phases)
+    power = result.get("power", "")
+    weak = f" This verdict is {power}." if power.startswith("weak") else ""
     if result["passed"]:
         steps = ", ".join(str(row["step"]) for row in rows)
         return (f"PASS: at every step compared ({steps}) our held-out loss lies within {result['bounds']} "
-                f"({phases_text}).")
+                f"({phases_text}).{weak}")
     row = next(row for row in rows if not row["passed"])
     side = "above" if row["ours"] > row["high"] else "below"
     z = "" if row["spread"] is None else f", z = {row['z']:+.2f} where |z| ≤ {row['critical']:.2f} passes"
     return (f"FAIL at step {row['step']}: our held-out loss {row['ours']:.4f} lies {side} {row['low']:.4f} … "
             f"{row['high']:.4f}, {result['bounds']}{z} ({phases_text}): the run departs from the references there; "
-            "compare its recipe, data order and precision with Pythia's up to that step.")
+            f"compare its recipe, data order and precision with Pythia's up to that step.{weak}")
 
 
 def parse_steps(text: str | None) -> list[int] | None:
@@ -172,7 +216,7 @@ def parse_steps(text: str | None) -> list[int] | None:
             from None
     if not steps or min(steps) < 0:
         raise UserError(f"--steps {text!r} names no step: give step numbers separated by commas, e.g. 1000,2000.")
-    return steps
+    return sorted(set(steps))  # a step named twice is one test, not two
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -189,10 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--heldout", required=True,
                         help="held-out text every model scores: a local copy of the Pile's validation or test split "
                              "(val.jsonl.zst), or any JSON-lines or text file of documents none trained on")
-    parser.add_argument("--tokenizer", default=None, help="the data's tokenizer; unset means the run's")
+    parser.add_argument("--tokenizer", default=None,
+                        help="the run's tokenizer, for a run that kept none beside its model; the one it kept is used "
+                             "either way, and another one is refused")
     parser.add_argument("--steps", default=None,
-                        help="steps to compare, e.g. 1000,2000; unset: every step our run kept that all references "
-                             "have")
+                        help="steps to compare, e.g. 1000,2000; unset: a few of those both sides kept, chosen "
+                             "before any loss is seen (near 0, 32 and 512, and a third, two thirds and all the way)")
     parser.add_argument("--budget", default=DEFAULT_BUDGET,
                         help="the time the scoring may take (10m, 90s, 1h): it sizes the held-out sequences scored")
     parser.add_argument("--sequences", type=int, default=None,
@@ -216,14 +262,33 @@ def check_arguments(args: argparse.Namespace) -> float:
     if not 0 < args.alpha < 1:
         raise UserError(f"--alpha {args.alpha}: give the chance of failing a faithful run, between 0 and 1 (e.g. "
                         "0.05).")
-    if args.tolerance < 0:
-        raise UserError("--tolerance cannot be negative: give the nats allowed, e.g. 0.1.")
+    if not (math.isfinite(args.tolerance) and args.tolerance >= 0):
+        raise UserError(f"--tolerance {args.tolerance}: give the nats allowed, a number 0 or more, e.g. 0.1.")
     if args.sequences is not None and args.sequences < 1:
         raise UserError(f"--sequences {args.sequences} scores nothing: give 1 or more, or leave it unset for as many "
                         "as --budget affords.")
     if args.micro_batch_size < 1:
         raise UserError(f"--micro-batch-size {args.micro_batch_size}: give 1 or more sequences per forward pass.")
     return parse_budget(args.budget)
+
+
+def run_tokenizer(ours: Revisions, step: int, asked: str | None, run: RunFacts) -> str:
+    """The tokenizer the run trained with: the one kept beside its model; --tokenizer only where it kept none, and
+    refused where it maps text to other ids than the kept one."""
+    from cram.data.causal import load_tokenizer
+    from cram.eval.run_models import vocabulary_digest
+
+    kept = ours.tokenizer_folder(step)
+    if kept is None:
+        location = asked or run.tokenizer
+        if location is None:
+            raise UserError("our run kept no tokenizer beside its model: give --tokenizer with the one it trained "
+                            "with.")
+        return location
+    if asked is not None and vocabulary_digest(load_tokenizer(asked).get_vocab()) != ours.tokenizer_digest(step):
+        raise UserError(f"--tokenizer {asked} maps text to other ids than the tokenizer our run kept ({kept}): leave "
+                        "--tokenizer unset, the run's own is used.")
+    return str(kept)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,22 +298,30 @@ def main(argv: list[str] | None = None) -> int:
     run = read_run(Path(args.run_dir))
     device = resolve_device(args.device)
     dtype = scoring_dtype(args.precision, device, run.precision)
-    locations, released = expand_references(args.reference, run)
+    locations, reference_set = expand_references(args.reference, run)
     references = [Revisions(location) for location in locations]
     ours = Revisions(args.run_dir)
     steps, skipped = choose_steps(ours, references, parse_steps(args.steps))
-    check_comparable(run, locations, references, steps[0], released, ours)
-    # The run's data exactly as the run read it (its index sized by its own steps × batch), checked by its first
-    # batch; the next-batch column reads the batch of each step from it.
-    data = load_causal_data(args.data, run.seq_len, run.vocab_size, args.tokenizer or run.tokenizer, None,
-                            run.max_steps * run.global_batch_size)
+    check_comparable(run, locations, references, steps[0], ours)
+    # The run's data exactly as the run read it (its index sized by its own steps × batch) with its own tokenizer,
+    # checked by its first batch; the next-batch column reads the batch of each step from it, and the held-out text
+    # is tokenized with the same tokenizer.
+    data = load_causal_data(args.data, run.seq_len, run.vocab_size, run_tokenizer(ours, steps[0], args.tokenizer, run),
+                            None, run.max_steps * run.global_batch_size)
     check_data(run, args.data, first_batch_fingerprint(data.sequences, run.global_batch_size))
 
     probe = heldout_sequences(args.heldout, data.tokenizer, run.seq_len, args.micro_batch_size).sequences
     models = len(steps) * (len(references) + 1)
     plan = plan_scoring(lambda: ours.load(steps[0]), probe, models=models, extra_sequences=2 * len(steps),
                         budget_seconds=budget_seconds, sequences=args.sequences,
-                        micro_batch_size=args.micro_batch_size, device=device, dtype=dtype)
+                        micro_batch_size=args.micro_batch_size, device=device, dtype=dtype,
+                        load_reference=lambda: references[0].load(steps[0]),
+                        reference_loads=len(steps) * len(references))
+    if args.sequences is None and plan.sequences < MIN_HELDOUT_SEQUENCES:
+        raise UserError(f"--budget {args.budget} affords {plan.sequences} held-out sequences, fewer than the "
+                        f"{MIN_HELDOUT_SEQUENCES} that keep the scoring's error small next to the seeds' spread: give "
+                        f"--budget {math.ceil(plan.predicted_seconds(MIN_HELDOUT_SEQUENCES))}s or more "
+                        f"({models} model loads, downloads included, and {MIN_HELDOUT_SEQUENCES} sequences each).")
     heldout = heldout_sequences(args.heldout, data.tokenizer, run.seq_len, plan.sequences)
     count = len(heldout.sequences)
     next_batches = {}
@@ -260,10 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"scoring {count:,} held-out sequences of {run.seq_len + 1} tokens ({heldout.describe()}) with "
           f"{len(references) + 1} models at {len(steps)} steps, and the next batch with ours and "
           f"{locations[0]}, on {device} in {str(dtype).removeprefix('torch.')}: predicted "
-          f"{format_seconds(plan.predicted_seconds(count))} (--budget {args.budget}; a model load "
-          f"{plan.load_seconds:.1f} s as ours took, downloads not counted)", flush=True)
+          f"{format_seconds(plan.predicted_seconds(count))} (--budget {args.budget}; {models} model loads: ours "
+          f"{plan.load_seconds:.1f} s each, a reference {plan.reference_load_seconds:.1f} s as the first took, its "
+          "download included)", flush=True)
     result = compare(run, references, steps, heldout, next_batches, alpha=args.alpha, tolerance=args.tolerance,
-                     device=device, dtype=dtype, micro_batch_size=args.micro_batch_size)
+                     device=device, dtype=dtype, micro_batch_size=args.micro_batch_size, reference_set=reference_set)
     result["skipped_steps"] = skipped
     result["predicted_seconds"] = plan.predicted_seconds(count)
     output = Path(args.output) if args.output else run.folder / "replication"

@@ -17,25 +17,31 @@ def write_report(result: dict, output: Path) -> None:
              f"References: {', '.join(result['references'])}; the references run with the activation they trained "
              f"with ({result['reference_activation']}). Scored in {result['precision']} on {result['device']}: "
              f"{heldout['sequences']:,} held-out sequences of {heldout['tokens_per_sequence']} tokens from "
-             f"{heldout['path']} (fingerprint {heldout['fingerprint']}). Bounds: {result['bounds']}.",
-             "", "| step | ours | references: mean (spread) | standard error | z | bounds | verdict "
-                 f"| next batch: ours, {result['references'][0]} |", "|---|---|---|---|---|---|---|---|"]
+             f"{heldout['path']} (fingerprint {heldout['fingerprint']}). Bounds: {result['bounds']}."]
+    if result.get("reference_set"):
+        lines += ["", f"Judged by {result['reference_set']}."]
+    lines += ["", "| step | ours | references: mean (spread) | scoring error | z | bounds | smallest departure caught "
+                  f"| verdict | next batch: ours, {result['references'][0]} |", "|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         references = (f"{row['mean']:.4f} ({row['spread']:.4f})" if several else f"{row['references'][0]:.4f}")
         z = f"{row['z']:+.2f}" if several else "—"
         next_batch = row["next_batch"]
         nearby = (f"{next_batch['ours']:.4f}, {next_batch['reference']:.4f} (sequences [{next_batch['first_sequence']}"
                   f", {next_batch['first_sequence'] + next_batch['sequences']}))" if next_batch else "past the data")
-        lines.append(f"| {row['step']} | {row['ours']:.4f} | {references} | {row['standard_error']:.4f} | {z} | "
-                     f"{row['low']:.4f} … {row['high']:.4f} | {'pass' if row['passed'] else 'FAIL'} | {nearby} |")
+        error = "—" if row["scoring_error"] is None else f"{row['scoring_error']:.4f}"
+        caught = f"{row['detectable']:.4f} nats" + (f" ({row['detectable_spreads']:.1f} spreads)"
+                                                    if row["detectable_spreads"] is not None else "")
+        lines.append(f"| {row['step']} | {row['ours']:.4f} | {references} | {error} | {z} | "
+                     f"{row['low']:.4f} … {row['high']:.4f} | {caught} | {'pass' if row['passed'] else 'FAIL'} | "
+                     f"{nearby} |")
     if result.get("skipped_steps"):
-        lines += ["", f"Steps of our run no reference has (not compared): "
+        lines += ["", f"Steps of our run not judged (--steps names those to judge; each reference must have them): "
                       f"{', '.join(map(str, result['skipped_steps']))}."]
     if "init_std" in result:
         lines += ["", "| weight type | our step-0 std | reference step-0 std |", "|---|---|---|"]
         ours, reference = result["init_std"]["ours"], result["init_std"]["reference"]
         lines += [f"| {kind} | {ours[kind]:.5f} | {reference.get(kind, float('nan')):.5f} |" for kind in ours]
-    lines += ["", result["verdict"]]
+    lines += ["", f"Power: {result['power']}.", "", result["verdict"]]
     _write(output / "replication.md", ("\n".join(lines) + "\n").encode())
     _write(output / "replication.json", (json.dumps(result, indent=2) + "\n").encode())
 

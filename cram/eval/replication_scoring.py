@@ -8,7 +8,7 @@ import re
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,10 @@ def resolve_device(name: str) -> torch.device:
     """`auto` is the GPU where one is visible, else the CPU."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device {name!r} is not a device: give auto, cpu, cuda or cuda:N.") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"--device {name}: no CUDA GPU is visible here: score on --device cpu or on a GPU machine.")
     return device
@@ -78,24 +81,39 @@ class ScoringPlan:
     """How many held-out sequences each model scores, and the seconds that is predicted to take."""
 
     sequences: int
-    load_seconds: float  # one model's load, measured on ours
+    load_seconds: float  # one load of our model, measured
     sequence_seconds: float  # one sequence's scoring, measured on ours
     models: int  # model loads, each scoring the held-out sequences
     extra_sequences: int  # sequences scored besides, per held-out sequence (the next-batch column)
+    reference_loads: int = 0  # of the `models`, the references' loads
+    reference_load_seconds: float = 0.0  # one reference's load, measured on the first (its download included)
+
+    @property
+    def fixed_seconds(self) -> float:
+        """The loads' seconds, downloads included."""
+        return ((self.models - self.reference_loads) * self.load_seconds
+                + self.reference_loads * self.reference_load_seconds)
 
     def predicted_seconds(self, sequences: int | None = None) -> float:
         """The predicted seconds of scoring `sequences` held-out sequences (unset: the planned count)."""
         count = self.sequences if sequences is None else sequences
-        return self.models * self.load_seconds + count * self.sequence_seconds * (self.models + self.extra_sequences)
+        return self.fixed_seconds + count * self.sequence_seconds * (self.models + self.extra_sequences)
 
 
 def plan_scoring(load: Callable[[], PreTrainedModel], probe: torch.Tensor, *, models: int, extra_sequences: int,
                  budget_seconds: float | None, sequences: int | None, micro_batch_size: int, device: torch.device,
-                 dtype: torch.dtype) -> ScoringPlan:
+                 dtype: torch.dtype, load_reference: Callable[[], PreTrainedModel] | None = None,
+                 reference_loads: int = 0) -> ScoringPlan:
     """Time one load of our model and the scoring of `probe` (a micro-batch of held-out sequences, scored twice: the
-    first pass pays for warm-up), then size the held-out sequences to `budget_seconds` over `models` model loads
-    (each step's ours and references) that each score them, plus `extra_sequences` per budget-sized count scored
-    besides (the next-batch column): `sequences` where given."""
+    first pass pays for warm-up), and one load of the first reference (`load_reference`, a download where it is not
+    yet in the Hub's cache, which stands for each of the `reference_loads`), then size the held-out sequences to
+    `budget_seconds` over `models` model loads (each step's ours and references) that each score them, plus
+    `extra_sequences` per budget-sized count scored besides (the next-batch column): `sequences` where given."""
+    reference_load_seconds = 0.0
+    if load_reference is not None:
+        started = time.perf_counter()
+        load_reference()  # loaded and dropped: the time is what is kept
+        reference_load_seconds = time.perf_counter() - started
     started = time.perf_counter()
     model = load()
     load_seconds = time.perf_counter() - started
@@ -104,7 +122,9 @@ def plan_scoring(load: Callable[[], PreTrainedModel], probe: torch.Tensor, *, mo
     sequence_losses(model, probe, micro_batch_size, device, dtype)
     sequence_seconds = (time.perf_counter() - started) / len(probe)
     del model
+    plan = ScoringPlan(0, load_seconds, sequence_seconds, models, extra_sequences, reference_loads,
+                       reference_load_seconds)
     if sequences is None:
         per_sequence = sequence_seconds * (models + extra_sequences)
-        sequences = max(1, math.floor((budget_seconds - models * load_seconds) / per_sequence))
-    return ScoringPlan(sequences, load_seconds, sequence_seconds, models, extra_sequences)
+        sequences = max(0, math.floor((budget_seconds - plan.fixed_seconds) / per_sequence))
+    return replace(plan, sequences=sequences)

@@ -22,6 +22,7 @@ from transformers import (
 
 from cram.errors import UserError
 
+OPTIONS_FILE = "cram_options.json"  # cram.train.checkpoint's
 REVISIONS_FOLDER = "revisions"  # cram.train.revisions' folder (not imported: it would pull in the training stack)
 
 
@@ -148,9 +149,15 @@ class Revisions:
     def config(self, step: int, **overrides) -> PretrainedConfig:
         """The configuration of the model at `step`, with `overrides` set."""
         kind, path = self.found()[step]
-        if kind == "hub":
-            return AutoConfig.from_pretrained(self.location, revision=f"step{step}", **overrides)
-        return AutoConfig.from_pretrained(path if kind == "revision" else self.config_folder(), **overrides)
+        try:
+            if kind == "hub":
+                return AutoConfig.from_pretrained(self.location, revision=f"step{step}", **overrides)
+            return AutoConfig.from_pretrained(path if kind == "revision" else self.config_folder(), **overrides)
+        except UserError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a damaged config.json or a Hub out of reach: one sentence
+            raise UserError(f"cannot read the configuration of {self.location} at step {step} "
+                            f"({type(err).__name__}): give a run or revisions with their config.json whole.") from None
 
     def tokenizer_digest(self, step: int) -> str | None:
         """A digest of the tokenizer kept with the model at `step` (its tokenizer.json's vocabulary, token to id,
@@ -170,19 +177,62 @@ class Revisions:
                 return None
         if not (path / "tokenizer.json").is_file():
             return None
-        vocabulary = sorted(Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab(with_added_tokens=True).items())
-        return hashlib.sha256(json.dumps(vocabulary).encode()).hexdigest()[:16]
+        try:
+            vocabulary = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab(with_added_tokens=True)
+        except Exception as err:  # noqa: BLE001 - a damaged tokenizer.json: one sentence, not a traceback
+            raise UserError(f"cannot read the tokenizer kept at {path} ({type(err).__name__}): give a run or "
+                            "revisions with their tokenizer.json whole.") from None
+        return vocabulary_digest(vocabulary)
+
+
+    def options_file(self, step: int) -> Path | None:
+        """The cram_options.json kept with the model at `step` (a revision's, or the Hub revision's), or None."""
+        kind, path = self.found()[step]
+        if kind == "hub":
+            from huggingface_hub import hf_hub_download
+
+            try:
+                return Path(hf_hub_download(self.location, OPTIONS_FILE, revision=f"step{step}"))
+            except Exception:  # noqa: BLE001 - none kept there: the caller refuses the reference in one sentence
+                return None
+        if kind == "revision" and (path / OPTIONS_FILE).is_file():
+            return path / OPTIONS_FILE
+        return None
+
+    def tokenizer_folder(self, step: int) -> Path | None:
+        """The folder of the tokenizer kept with the model at `step` (the run's own), or None."""
+        kind, path = self.found()[step]
+        if kind == "state":
+            path = self.config_folder()
+        elif kind == "hub":
+            return None
+        return path if (path / "tokenizer.json").is_file() else None
 
     def load(self, step: int, **overrides) -> PreTrainedModel:
         """The model at `step`, its weights in the precision they were saved in (dtype="auto"); `overrides` set in
-        its configuration (the activation a reference trained with, say)."""
+        its configuration (the activation a reference trained with, say). A model that cannot be read is refused in
+        one sentence."""
         kind, path = self.found()[step]
-        if kind == "hub":
-            return AutoModelForCausalLM.from_pretrained(self.location, revision=f"step{step}", dtype="auto",
-                                                        **overrides)
-        if kind == "revision":
-            return AutoModelForCausalLM.from_pretrained(path, dtype="auto", **overrides)
-        model = GPTNeoXForCausalLM(self.config(step, **overrides))
-        weights = read_training_state(path)
-        model.load_state_dict({name: tensor for name, tensor in weights.items() if name in model.state_dict()})
-        return model
+        try:
+            if kind == "hub":
+                return AutoModelForCausalLM.from_pretrained(self.location, revision=f"step{step}", dtype="auto",
+                                                            **overrides)
+            if kind == "revision":
+                return AutoModelForCausalLM.from_pretrained(path, dtype="auto", **overrides)
+            model = GPTNeoXForCausalLM(self.config(step, **overrides))
+            weights = read_training_state(path)
+            model.load_state_dict({name: tensor for name, tensor in weights.items() if name in model.state_dict()})
+            return model
+        except UserError:
+            raise
+        except Exception as err:  # noqa: BLE001 - missing or damaged weights, a Hub out of reach: one sentence each
+            where = f"{self.location} at step{step}" if kind == "hub" else str(path)
+            raise UserError(f"cannot read the model of {where} ({type(err).__name__}): give a folder whose stepN "
+                            "revisions hold their weights (model.safetensors), or a Hub repository you can reach."
+                            ) from None
+
+
+def vocabulary_digest(vocabulary: dict[str, int]) -> str:
+    """A digest of a tokenizer's vocabulary, token to id, added tokens included: two tokenizers with one digest map
+    text to the same ids."""
+    return hashlib.sha256(json.dumps(sorted(vocabulary.items())).encode()).hexdigest()[:16]
