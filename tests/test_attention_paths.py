@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import transformers
 from torch.overrides import TorchFunctionMode
 from transformers import masking_utils
+from transformers.utils.import_utils import is_tracing
 
 from cram.models import crammed_bert
 from cram.models.crammed_bert import (
@@ -19,6 +20,7 @@ from cram.models.crammed_bert import (
     attention_path_for,
 )
 from cram.models.pythia_model import build_pythia_model, pythia_config
+from cram.train.activation_checkpointing import enable_activation_checkpointing
 
 
 def tiny_model(path: str | None) -> CrammedBertForMaskedLM:
@@ -115,10 +117,21 @@ def test_the_loss_over_masked_positions_equals_dense_cross_entropy_on_the_same_l
     torch.testing.assert_close(output.logits, dense_logits[masked])  # the masked rows, in order
 
 
-def tiny_pythia() -> transformers.GPTNeoXForCausalLM:
+def tiny_pythia(checkpointing: bool = False) -> transformers.GPTNeoXForCausalLM:
     torch.manual_seed(0)
-    return build_pythia_model("pythia-14m", pythia_config("pythia-14m", num_hidden_layers=2, vocab_size=512),
-                              device="cpu")
+    model = build_pythia_model("pythia-14m", pythia_config("pythia-14m", num_hidden_layers=2, vocab_size=512),
+                               device="cpu")
+    if checkpointing:  # as `--activation-checkpointing` and the planner's -ckpt candidates set it
+        enable_activation_checkpointing(model)
+    return model
+
+
+def plain_pythia(checkpointing: bool = False) -> transformers.GPTNeoXForCausalLM:
+    """transformers' own GPTNeoXForCausalLM, on its "sdpa" attention."""
+    model = transformers.GPTNeoXForCausalLM(pythia_config("pythia-14m", num_hidden_layers=2, vocab_size=512))
+    if checkpointing:
+        enable_activation_checkpointing(model)
+    return model
 
 
 def pythia_batch() -> dict[str, torch.Tensor]:
@@ -133,69 +146,119 @@ def sdpa_call(args: tuple, kwargs: dict) -> dict:
     return {"has_mask": attn_mask is not None, "is_causal": is_causal}
 
 
+# Tensor methods that read a device value on the host: on a GPU, each waits for the device (a sync).
+HOST_READS = {"__bool__", "item", "tolist", "__int__", "__float__", "__index__", "nonzero"}
+
+
 class SdpaCalls(TorchFunctionMode):
-    """Records every eager call of F.scaled_dot_product_attention."""
+    """Records every eager call of F.scaled_dot_product_attention, and every read of a tensor's value by the
+    host."""
 
     def __init__(self):
         super().__init__()
         self.calls = []
+        self.host_reads = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             self.calls.append(sdpa_call(args, kwargs))
+        elif getattr(func, "__name__", None) in HOST_READS:
+            self.host_reads.append(func.__name__)
         return func(*args, **kwargs)
 
 
 def compiled_sdpa_calls(model: torch.nn.Module, inputs: dict) -> list[dict]:
     """The SDPA calls in the graphs torch.compile traces for `model(**inputs)`, found by a backend that reads each
-    FX graph and then runs it as traced."""
+    FX graph and every graph nested in it (an activation checkpoint's layer is a subgraph that the top-level
+    graph calls through a higher-order op), then runs it as traced."""
     calls = []
 
     def inspecting_backend(graph_module: torch.fx.GraphModule, example_inputs: list) -> callable:
-        for node in graph_module.graph.nodes:
-            if node.op == "call_function" and node.target is F.scaled_dot_product_attention:
-                calls.append(sdpa_call(node.args, node.kwargs))
+        for module in graph_module.modules():  # the graph itself and its subgraphs
+            if isinstance(module, torch.fx.GraphModule):
+                for node in module.graph.nodes:
+                    if node.op == "call_function" and node.target is F.scaled_dot_product_attention:
+                        calls.append(sdpa_call(node.args, node.kwargs))
         return graph_module.forward
 
     torch._dynamo.reset()
-    torch.compile(model, backend=inspecting_backend)(**inputs).loss.backward()
+    outputs = torch.compile(model, backend=inspecting_backend)(**inputs)
+    (outputs.loss if outputs.loss is not None else outputs.logits.float().mean()).backward()
     return calls
 
 
 MASK_FREE_CAUSAL = {"has_mask": False, "is_causal": True}
+WITH_MASK = {"has_mask": True, "is_causal": False}
 
 
-@pytest.fixture(params=["as installed", "mask built while tracing"])
+def ignore_causal_mask_sdpa_5_17(padding_mask, q_length, kv_length, q_offset, kv_offset,
+                                 local_attention_size=None) -> bool:
+    """transformers v5.17.0's `_ignore_causal_mask_sdpa` (src/transformers/masking_utils.py), step for step: it
+    never skips the mask while anything traces (`is_tracing(padding_mask)` is true under torch.compile even with
+    no padding mask), where 5.24 skips it there unless it would have to read the padding mask's values."""
+    if padding_mask is not None and padding_mask.shape[-1] > kv_length:
+        padding_mask = padding_mask[:, torch.arange(kv_length, device=padding_mask.device) + kv_offset]
+    if is_tracing(padding_mask):
+        return False
+    if local_attention_size is not None and kv_length >= local_attention_size:
+        return False
+    if (q_length == 1 or kv_length == q_length) and (padding_mask is None or masking_utils.fast_all(padding_mask)):
+        return True
+    return q_offset == 0 and (padding_mask is None or (masking_utils.fast_all(padding_mask[:, :q_length])
+                                                       and masking_utils.fast_all(~padding_mask[:, q_length:])))
+
+
+@pytest.fixture(params=["as installed", "5.17"])
 def transformers_masking(request, monkeypatch) -> str:
-    """transformers as installed, and as up to 5.17 (the GPU images' release), whose SDPA mask function builds the
-    full causal mask whenever torch.compile traces: this stack's newer transformers skips it there too, so without
-    the stand-in the suite would not see the case the GPU images run into."""
-    if request.param == "mask built while tracing":
-        ignore_mask = masking_utils._ignore_causal_mask_sdpa
-        monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", lambda *args, **kwargs: (
-            False if torch.compiler.is_compiling() else ignore_mask(*args, **kwargs)))
+    """transformers' mask code as installed, and as in 5.17 (a GPU image's release). Between 5.17 and this stack's
+    5.24 the mask code differs, on every path GPT-NeoX takes, only in `_ignore_causal_mask_sdpa` (the rest is
+    renamed arguments): 5.17's builds the full causal mask whenever torch.compile traces, so without the stand-in
+    the suite would not see that case. Checked against real 5.0 and 5.17 installs as well (docs/pythia.md)."""
+    if request.param == "5.17":
+        monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", ignore_causal_mask_sdpa_5_17)
     return request.param
 
 
 @pytest.mark.slow
-def test_compiled_pythia_calls_sdpa_causal_with_no_mask_tensor(transformers_masking):
-    model = tiny_pythia()
+@pytest.mark.parametrize(("transformers_masking", "checkpointing"), [
+    ("as installed", False), ("as installed", True),
+    ("5.17", False),  # checkpointed, cram's model reaches no mask code, and transformers' mask is the same in 5.17
+], ids=["whole", "checkpointed", "whole-5.17"], indirect=["transformers_masking"])
+def test_compiled_pythia_calls_sdpa_causal_with_no_mask_tensor(transformers_masking, checkpointing):
+    model = tiny_pythia(checkpointing)
     assert compiled_sdpa_calls(model, pythia_batch()) == [MASK_FREE_CAUSAL] * model.config.num_hidden_layers
-    if transformers_masking == "mask built while tracing":  # the stand-in does bring the mask to a plain model
-        plain = transformers.GPTNeoXForCausalLM(pythia_config("pythia-14m", num_hidden_layers=2, vocab_size=512))
-        assert compiled_sdpa_calls(plain, pythia_batch())[0] == {"has_mask": True, "is_causal": False}
+    if transformers_masking == "5.17":
+        # Without labels, through transformers' model and `CAUSAL_SDPA`'s mask function: no mask either.
+        logits_only = {"input_ids": pythia_batch()["input_ids"]}
+        assert compiled_sdpa_calls(model, logits_only) == [MASK_FREE_CAUSAL] * model.config.num_hidden_layers
+        # The stand-in does bring the mask to transformers' own model.
+        assert compiled_sdpa_calls(plain_pythia(), pythia_batch())[0] == WITH_MASK
 
 
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["whole", "checkpointed"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_eager_pythia_calls_sdpa_causal_with_no_mask_tensor_and_masks_padding(precision):
-    model = tiny_pythia()
+def test_eager_pythia_calls_sdpa_causal_with_no_mask_tensor_nor_host_reads(precision, checkpointing):
+    model = tiny_pythia(checkpointing)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
     with SdpaCalls() as recorded, autocast:
         model(**pythia_batch()).loss.backward()
-    assert recorded.calls == [MASK_FREE_CAUSAL] * model.config.num_hidden_layers
+    # A checkpointed layer runs again in the backward pass, where the mode may not see it.
+    assert recorded.calls[:model.config.num_hidden_layers] == [MASK_FREE_CAUSAL] * model.config.num_hidden_layers
+    assert all(call == MASK_FREE_CAUSAL for call in recorded.calls)
+    assert recorded.host_reads == []
+    if checkpointing:  # the case is there: transformers' own model reads the positions on the host
+        with SdpaCalls() as recorded, autocast:
+            plain_pythia(checkpointing)(**pythia_batch()).loss.backward()
+        assert "__bool__" in recorded.host_reads
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_pythia_honours_a_padding_mask_as_transformers_does(precision):
+    model = tiny_pythia()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
     # A padding mask is honoured: the outputs are transformers' own, whose "sdpa" path builds the mask.
-    plain = transformers.GPTNeoXForCausalLM(pythia_config("pythia-14m", num_hidden_layers=2, vocab_size=512))
+    plain = plain_pythia()
     plain.load_state_dict(model.state_dict())
     inputs = {"input_ids": pythia_batch()["input_ids"], "attention_mask": torch.ones(2, 32, dtype=torch.long)}
     inputs["attention_mask"][1, 20:] = 0

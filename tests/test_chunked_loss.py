@@ -137,3 +137,62 @@ def test_a_saved_model_is_transformers_plain_gpt_neox(tmp_path):
     tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(loaded(tokens).logits, model(tokens).logits)
+
+
+def fp16_gradients(chunked: bool, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                   loss_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of hidden and weight (fp32 leaves, as under mixed precision) of the mean cross-entropy times
+    `loss_scale`, with the products in fp16 under autocast: the chunked loss or the plain one."""
+    hidden, weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.float16):
+        if chunked:
+            loss_sum, count = linear_cross_entropy(hidden, weight, targets)
+            loss = loss_sum / count
+        else:
+            loss = F.cross_entropy(F.linear(hidden, weight).float(), targets)
+    (loss * loss_scale).backward()
+    return hidden.grad, weight.grad
+
+
+def all_finite(*tensors: torch.Tensor) -> bool:
+    return all(bool(torch.isfinite(tensor).all()) for tensor in tensors)
+
+
+def test_fp16_chunked_loss_survives_an_outlier_channel_once_the_scale_backs_off():
+    # 1,300 rows of one frequent target along a hidden channel of 52: the weight gradient's row for that target
+    # sums past fp16's 65504 before any loss scale applies, unless its product is written in fp32.
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1300, 16, generator=generator) * 0.5
+    hidden[:, 0] = 52.0
+    weight = torch.randn(64, 16, generator=generator) * 0.02
+    targets = torch.full((1300,), 7)
+    scales = [2.0**power for power in range(16, -1, -2)]
+    plain = [all_finite(*fp16_gradients(False, hidden, weight, targets, scale)) for scale in scales]
+    assert plain[0] is False and plain[scales.index(2.0**8):] == [True] * 5  # the case: a GradScaler backs off
+    for scale, plain_finite in zip(scales, plain, strict=True):
+        assert all_finite(*fp16_gradients(True, hidden, weight, targets, scale)) or not plain_finite, scale
+    # and what it gives is the plain gradient
+    for got, expected in zip(fp16_gradients(True, hidden, weight, targets, 1.0),
+                             fp16_gradients(False, hidden, weight, targets, 1.0), strict=True):
+        torch.testing.assert_close(*relative(got, expected), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("loss_scale", [1.0, 2.0**8, 2.0**16])
+def test_fp16_chunked_gradients_underflow_no_sooner_than_the_plain_loss_s(loss_scale):
+    # A confident target (a logit gap of 20): the other tokens' probabilities, about 4e-9, are below fp16's
+    # smallest subnormal unless a scale carries them.
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1300, 16, generator=generator)
+    hidden[:, 0] = 4.0
+    weight = torch.randn(64, 16, generator=generator) * 0.02
+    weight[7, 0] = 5.0
+    targets = torch.full((1300,), 7)
+    reference = fp16_gradients(False, hidden.double(), weight.double(), targets, 1.0)  # autocast leaves fp64 be
+    plain = fp16_gradients(False, hidden, weight, targets, loss_scale)
+    chunked = fp16_gradients(True, hidden, weight, targets, loss_scale)
+    for name, got, plain_grad, expected in zip(("hidden", "weight"), chunked, plain, reference, strict=True):
+        lost = ((got == 0) & (expected != 0)).sum()
+        plain_lost = ((plain_grad == 0) & (expected != 0)).sum()
+        assert lost <= plain_lost, (name, lost, plain_lost)
+    if loss_scale == 1.0:  # the case: the plain loss does lose them here
+        assert ((plain[1] == 0) & (reference[1] != 0)).sum() > 0

@@ -6,12 +6,18 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from launching import run
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForMaskedLM, AutoModelForSequenceClassification
 
 import cram  # noqa: F401 - registers the Auto classes
-from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM, CrammedBertForSequenceClassification
+from cram.models.crammed_bert import (
+    IGNORE_INDEX,
+    CrammedBertConfig,
+    CrammedBertForMaskedLM,
+    CrammedBertForSequenceClassification,
+)
 
 # 32768·768 tied embedding + 1 position scale + 2·768 embedding norm
 # + 16 layers × (768·2304 QKV + 768·768 out + 768·3072 up + 1536·768 down + 2·2·768 norms) + 2·768 final norm
@@ -77,6 +83,7 @@ SAVED_LOGITS_SCRIPT = """
 import sys
 sys.modules["cram"] = None  # as on a machine without cram: any import of it fails
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForMaskedLM
 model = AutoModelForMaskedLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
 torch.save(model(torch.load(sys.argv[2])).logits, sys.argv[3])
@@ -161,13 +168,13 @@ def test_padding_does_not_change_the_unpadded_positions():
 
 @pytest.mark.slow
 def test_compiled_sparse_prediction_matches_eager():
-    # Under torch.compile the masked positions are found with a static count (the GPU default path).
+    # Under torch.compile the masked positions are found with the collator's static count (the GPU default path).
     torch.manual_seed(0)
     model = CrammedBertForMaskedLM(tiny_config()).eval()
     input_ids, labels = masked_batch(2)
     with torch.no_grad():
         eager = model(input_ids, labels=labels)
-        compiled = torch.compile(model)(input_ids, labels=labels)
+        compiled = torch.compile(model)(input_ids, labels=labels, masked_per_sequence=32)  # as the collator says
     torch.testing.assert_close(compiled.loss, eager.loss, rtol=1e-4, atol=1e-4)
     assert compiled.logits.shape == eager.logits.shape == (64, 512)
 
@@ -181,7 +188,7 @@ def test_static_count_matches_the_collators_per_sequence_count(monkeypatch, seq_
     batch = collator(torch.randint(5, 512, (3, seq_len)))
     model = CrammedBertForMaskedLM(tiny_config(max_position_embeddings=seq_len))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    positions = model.masked_positions(batch["labels"])
+    positions = model.masked_positions(batch["labels"], batch["masked_per_sequence"])
     assert len(positions) == 3 * collator.masked_count(seq_len)
     assert (batch["labels"].reshape(-1)[positions] != -100).all()
 
@@ -337,9 +344,59 @@ def test_an_eager_training_step_finds_the_masked_positions_without_nonzero(preci
         torch.testing.assert_close(grad, expected, rtol=0, atol=0)
 
 
-def test_training_on_more_masked_positions_than_the_config_predicts_is_refused():
+def bernoulli_batch(seq_len: int = 32) -> dict[str, torch.Tensor]:
+    """A batch as Hugging Face's DataCollatorForLanguageModeling masks it: each position drawn, here with a
+    probability of three quarters, so the sequences have far more masked positions than the config's quarter."""
+    generator = torch.Generator().manual_seed(5)
+    input_ids = torch.randint(5, 512, (4, seq_len), generator=generator)
+    labels = torch.where(torch.rand(input_ids.shape, generator=generator) < 0.75, input_ids, IGNORE_INDEX)
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def exact_masked_lm_loss(model: CrammedBertForMaskedLM, batch: dict) -> torch.Tensor:
+    logits = model(input_ids=batch["input_ids"]).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch["labels"].reshape(-1),
+                           ignore_index=IGNORE_INDEX)
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_training_on_a_collator_that_draws_each_position_is_exact(compiled, precision):
+    torch.manual_seed(0)
+    model = CrammedBertForMaskedLM(tiny_config(max_position_embeddings=32)).train()
+    batch = bernoulli_batch()
+    assert ((batch["labels"] != IGNORE_INDEX).sum(1) > round(model.config.sparse_prediction * 32)).all()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+    with autocast:
+        expected = exact_masked_lm_loss(model, batch)
+        forward = model
+        if compiled:
+            torch._dynamo.reset()
+            forward = torch.compile(model, backend="aot_eager")
+        # Divided by the count of masked positions (as Trainer passes it), so the loss is their sum: one dropped
+        # position shows whatever its size.
+        loss = forward(**batch, num_items_in_batch=(batch["labels"] != IGNORE_INDEX).sum()).loss
+    tolerance = dict(rtol=1e-5, atol=1e-5) if precision == "fp32" else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(loss, expected, **tolerance)
+    loss.backward()  # trains, every masked position included
+    assert model.decoder.weight.grad is not None
+
+
+def test_cram_s_collator_gives_its_count_and_the_model_predicts_that_many():
+    from cram.data.collator import MaskedLMCollator
+
+    collator = MaskedLMCollator(4, 512, [0, 1, 2, 3, 4], mask_fraction=0.25)
+    batch = collator(torch.randint(5, 512, (3, 32), generator=torch.Generator().manual_seed(0)))
+    assert batch["masked_per_sequence"] == 8
+    model = CrammedBertForMaskedLM(tiny_config(max_position_embeddings=32)).train()
+    output = model(**batch)
+    assert output.logits.shape == (3 * 8, 512)  # the static count, not every position
+    torch.testing.assert_close(output.loss, exact_masked_lm_loss(model, batch))
+
+
+def test_a_broken_count_guarantee_is_refused():
     model = CrammedBertForMaskedLM(tiny_config()).train()
     input_ids, labels = masked_batch(2)
-    labels[:, :] = input_ids  # every position masked, where the config predicts a quarter
-    with pytest.raises(RuntimeError, match="give the collator the config's sparse_prediction"):
-        model(input_ids, labels=labels)
+    labels[:, :] = input_ids  # every position masked, where the batch says a quarter
+    with pytest.raises(RuntimeError, match="masked_per_sequence guarantees"):
+        model(input_ids, labels=labels, masked_per_sequence=round(0.25 * input_ids.shape[1]))

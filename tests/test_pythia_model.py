@@ -15,6 +15,7 @@ from launching import run
 from transformers import GPTNeoXForCausalLM
 
 from cram.errors import UserError
+from cram.models import gpt_neox_training
 from cram.models.pythia_model import (
     PYTHIA_SIZES,
     build_pythia_model,
@@ -249,3 +250,43 @@ def test_the_154_checkpoint_steps():
 def test_an_unknown_size_is_refused_by_name():
     with pytest.raises(UserError, match="unknown Pythia size 'pythia-7b': choose one of pythia-14m"):
         pythia_config("pythia-7b")
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_output_layer_is_tied_as_transformers_ties_it(tied):
+    config = pythia_config("pythia-14m", num_hidden_layers=2, vocab_size=512, tie_word_embeddings=tied)
+    model = build_pythia_model("pythia-14m", config, device="cpu")
+    plain = GPTNeoXForCausalLM(pythia_config("pythia-14m", num_hidden_layers=2, vocab_size=512,
+                                             tie_word_embeddings=tied))
+    count = sum(param.numel() for param in model.parameters())
+    assert count == sum(param.numel() for param in plain.parameters()) == gpt_neox_parameters(config)
+    with torch.device("meta"):  # built directly, as transformers' from_pretrained and zero.Init build it
+        direct = gpt_neox_training.GPTNeoXForCausalLM(config)
+    assert sum(param.numel() for param in direct.parameters()) == count
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) is tied
+    plain.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
+    model(input_ids=tokens, labels=tokens).loss.backward()  # the chunked loss
+    plain(input_ids=tokens, labels=tokens).loss.backward()
+    for (name, param), reference in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(param.grad, reference.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_forward_takes_transformers_arguments_in_transformers_order():
+    config = pythia_config("pythia-14m", num_hidden_layers=2, vocab_size=512)
+    model = build_pythia_model("pythia-14m", config, device="cpu")
+    plain = GPTNeoXForCausalLM(pythia_config("pythia-14m", num_hidden_layers=2, vocab_size=512))
+    plain.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(tokens)
+    mask[1, 10:] = 0
+    with torch.no_grad():  # the second argument is the padding mask, as in transformers
+        torch.testing.assert_close(model(tokens, mask).logits[mask.bool()], plain(tokens, mask).logits[mask.bool()])
+        # labels where transformers has them: after input_ids, attention_mask, position_ids, inputs_embeds, cache
+        torch.testing.assert_close(model(tokens, None, None, None, None, tokens).loss,
+                                   plain(tokens, None, None, None, None, tokens).loss)
+        torch.testing.assert_close(model(tokens, mask, labels=tokens).loss, plain(tokens, mask, labels=tokens).loss)
+    with pytest.raises(TypeError, match="multiple values for argument 'attention_mask'"):
+        model(tokens, mask, attention_mask=mask)
+    with pytest.raises(TypeError, match="positional arguments"):
+        model(*[None] * 20)

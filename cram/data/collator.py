@@ -49,7 +49,7 @@ class MaskedLMCollator:
     def masked_count(self, seq_len: int) -> int:
         return round(self.mask_fraction * seq_len)
 
-    def __call__(self, examples: Sequence[dict] | dict | torch.Tensor) -> dict[str, torch.Tensor]:
+    def __call__(self, examples: Sequence[dict] | dict | torch.Tensor) -> dict[str, torch.Tensor | int]:
         """Mask a batch: a tensor, a list of examples, or {"input_ids", "serials"} from `SerialBlocks`."""
         if isinstance(examples, torch.Tensor):
             return self.mask(examples.long().clone())
@@ -58,8 +58,9 @@ class MaskedLMCollator:
         input_ids = torch.stack([torch.as_tensor(example["input_ids"]) for example in examples]).long()
         return self.mask(input_ids)
 
-    def mask(self, input_ids: torch.Tensor, serials: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """Mask `input_ids` (batch, seq_len) in place and return it with the labels.
+    def mask(self, input_ids: torch.Tensor, serials: torch.Tensor | None = None) -> dict[str, torch.Tensor | int]:
+        """Mask `input_ids` (batch, seq_len) in place and return it with the labels and `masked_per_sequence`, the
+        count of masked positions in each sequence.
 
         With `serials` (one int per sequence), every random draw comes from `hashed_uniform(seed, serial, …)`;
         without, from torch's global generator.
@@ -86,7 +87,9 @@ class MaskedLMCollator:
         replacement = torch.where(action < self.mask_token_rate + self.random_token_rate, random_tokens, originals)
         replacement = torch.where(action < self.mask_token_rate, self.mask_token_id, replacement)
         input_ids.scatter_(1, positions, replacement)
-        return {"input_ids": input_ids, "labels": labels}
+        # The count travels with the batch: the model predicts that many positions per sequence, exactly the masked
+        # ones (CrammedBertForMaskedLM.masked_positions); a batch without it gets every position predicted.
+        return {"input_ids": input_ids, "labels": labels, "masked_per_sequence": count}
 
 
 _WORD = 0xFFFFFFFF

@@ -9,10 +9,16 @@ compute dtype and an fp32 copy of them for backward; at Pythia's vocabulary they
 model's activations. Here each chunk's logits live only inside the forward, which also computes the chunk's
 gradients (the softmax minus the one-hot target, times the chunk's rows and the weight), so backward only scales
 what the forward kept by the incoming gradient: no second pass over the output layer. Saved for backward: the
-gradient of the hidden states (N × H, in the compute dtype) and of the weight (V × H, fp32), nothing per logit.
+gradient of the hidden states (N × H, in the compute dtype; fp32 under fp16) and of the weight (V × H, fp32),
+nothing per logit.
 
-The matrix products run in the dtype autocast gives them, as the plain output layer's would; the log-softmax runs
-in fp32, as Hugging Face's causal-LM loss does on its upcast logits.
+The matrix products take their inputs in the dtype autocast gives them, as the plain output layer's would; the
+log-softmax runs in fp32, as Hugging Face's causal-LM loss does on its upcast logits. The weight gradient's product
+writes fp32: it sums a whole chunk's rows before any loss scale applies (the plain loss's backward sums them already
+scaled by the loss scale over the batch's count), so in fp16 a few thousand rows of a frequent target along one
+large hidden channel would pass 65504 at every loss scale, and no scale could bring the step back. For the same
+reason (no loss scale yet) fp16's small end is kept by `FP16_HEADROOM` and the fp32 hidden-state gradient: the
+chunked gradients underflow no sooner than the plain loss's.
 """
 
 from __future__ import annotations
@@ -23,6 +29,11 @@ import torch
 
 IGNORE_INDEX = -100  # targets to leave out, as torch's and Hugging Face's cross-entropy take them
 LOGITS_PER_CHUNK = 2**26  # elements of one chunk's logits: its fp32 copy is 256 MiB
+# fp16: the logits' gradient (softmax minus one-hot, within [-1, 1]) is multiplied by this before it is rounded to
+# fp16, so that probabilities down to 2^-39 keep their place rather than flush to zero; the plain loss's gradient
+# carries the loss scale over the batch's count there instead, which is at most this for any loss scale up to
+# 2^15 times the rows. A power of two: undone exactly.
+FP16_HEADROOM = 2.0**15
 
 
 def rows_per_chunk(rows: int, vocab: int, logits_per_chunk: int) -> int:
@@ -47,6 +58,29 @@ def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def _has_fp32_output_mm() -> bool:
+    """Whether this torch has `torch.mm(..., out_dtype=torch.float32)` for fp16 and bf16 inputs (CUDA only)."""
+    try:
+        half = torch.empty(1, 1, dtype=torch.float16, device="meta")
+        return torch.mm(half, half, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+FP32_OUTPUT_MM = _has_fp32_output_mm()
+
+
+def product_in_fp32(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """`first @ second` of two same-dtype matrices, accumulated and written in fp32: on a GPU one fp16/bf16 product
+    with an fp32 output (the tensor cores' own accumulation, no fp32 copy of the inputs); elsewhere the inputs,
+    already rounded to their dtype, multiplied in fp32, which is the same arithmetic."""
+    if first.dtype == torch.float32:
+        return first @ second
+    if first.device.type == "cuda" and FP32_OUTPUT_MM:
+        return torch.mm(first, second, out_dtype=torch.float32)
+    return first.float() @ second.float()
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_rows: int,
@@ -69,9 +103,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     # d(summed loss)/d(logits) = softmax - one-hot, zero on ignored rows
                     logits_grad = log_probs.exp_().scatter_add_(
                         1, safe_targets, torch.full_like(safe_targets, -1, dtype=log_probs.dtype))
-                    logits_grad = (logits_grad * kept.unsqueeze(1)).to(dtype)
-                    hidden_grads.append(logits_grad @ cast_weight)
-                    weight_grad += logits_grad.t() @ rows
+                    logits_grad = logits_grad * kept.unsqueeze(1)
+                    if dtype == torch.float16:  # scaled into fp16's range, both products written in fp32
+                        logits_grad = (logits_grad * FP16_HEADROOM).to(dtype)
+                        hidden_grads.append(product_in_fp32(logits_grad, cast_weight) / FP16_HEADROOM)
+                        weight_grad += product_in_fp32(logits_grad.t(), rows) / FP16_HEADROOM
+                    else:
+                        logits_grad = logits_grad.to(dtype)
+                        hidden_grads.append(logits_grad @ cast_weight)
+                        weight_grad += product_in_fp32(logits_grad.t(), rows)
         count = (targets != IGNORE_INDEX).sum()
         ctx.hidden_dtype, ctx.weight_dtype = hidden.dtype, weight.dtype
         if needs_grad:

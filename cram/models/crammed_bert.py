@@ -51,7 +51,8 @@ class CrammedBertConfig(PretrainedConfig):
 
     `intermediate_size` is the width of the first feed-forward Linear; the GLU halves it, so the second Linear
     maps `intermediate_size // 2` back to `hidden_size`. `sparse_prediction` is the fraction of positions the
-    MLM collator masks; under `torch.compile` the model predicts exactly that many per batch (static shapes).
+    MLM collator masks (each batch of cram's collator carries the count as `masked_per_sequence`, and training
+    then predicts exactly that many positions: static shapes).
     `hidden_dropout_prob` and `attention_probs_dropout_prob` are 0 while pretraining and 0.1 for fine-tuning.
     """
 
@@ -343,23 +344,28 @@ class CrammedBertForMaskedLM(CrammedBertPreTrainedModel):
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.decoder = value
 
-    def masked_positions(self, labels: torch.Tensor) -> torch.Tensor:
-        """Flat indices of the positions to predict.
+    def masked_positions(self, labels: torch.Tensor, masked_per_sequence: int | None = None) -> torch.Tensor | None:
+        """Flat indices of the positions to predict; None for every position.
 
-        In training, and whenever compiled, a static count: the masked positions first, in order, then unmasked
-        ones (label -100, which the loss leaves out) up to the count the collator masks per sequence. The shapes
-        stay fixed for the compiler, and eager training needs no `nonzero`, whose output size the host must read
-        from the device (a sync per micro-batch on a GPU). Evaluating eagerly, exactly the masked positions.
+        Evaluating eagerly, exactly the masked positions. In training, and whenever compiled, the shapes must not
+        depend on the labels' values (the compiler needs static shapes; eager `nonzero` makes the host read its
+        output size from the device, a sync per micro-batch on a GPU): with `masked_per_sequence`, the collator's
+        guarantee that no sequence has more masked positions (cram's `MaskedLMCollator` masks exactly that many
+        and says so in each batch), that many per sequence: the masked positions first, in order, then unmasked
+        ones (label -100, which the loss leaves out). Without it, as from a collator that draws each position
+        (`DataCollatorForLanguageModeling`), every position, as `BertForMaskedLM` predicts them: exact for any
+        count, at the cost of the full decoder. A static count below the masked positions would drop some.
         """
         is_masked = labels.reshape(-1) != IGNORE_INDEX
         compiling = torch.compiler.is_compiling()
         if not (self.training or compiling):
             return is_masked.nonzero().squeeze(1)
-        batch_size, seq_len = labels.shape
-        count = batch_size * round(self.config.sparse_prediction * seq_len)
-        if not compiling:  # checked on the device, without waiting for it
-            torch._assert_async(is_masked.sum() <= count, "more positions are masked than the model's "
-                                "sparse_prediction predicts: give the collator the config's sparse_prediction.")
+        if masked_per_sequence is None:
+            return None
+        count = labels.shape[0] * masked_per_sequence
+        if not compiling:  # a broken guarantee, checked on the device without waiting for it
+            torch._assert_async(is_masked.sum() <= count, "more positions are masked than the batch's "
+                                "masked_per_sequence guarantees: give the model the collator's own count.")
         return torch.argsort(is_masked.int(), descending=True, stable=True)[:count]
 
     def forward(
@@ -373,9 +379,12 @@ class CrammedBertForMaskedLM(CrammedBertPreTrainedModel):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
+        masked_per_sequence: int | None = None,
     ) -> MaskedLMOutput:
         """`num_items_in_batch`: the masked-position count to divide the summed loss by (the whole accumulated
-        batch's, as `Trainer` passes it); unset means the mean over this batch's masked positions."""
+        batch's, as `Trainer` passes it); unset means the mean over this batch's masked positions.
+        `masked_per_sequence`: the collator's bound on each sequence's masked positions, which lets training
+        predict only that many (see `masked_positions`); cram's `MaskedLMCollator` puts it in every batch."""
         encoded = self.bert(
             input_ids, attention_mask, inputs_embeds=inputs_embeds, output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
@@ -383,9 +392,11 @@ class CrammedBertForMaskedLM(CrammedBertPreTrainedModel):
         hidden = encoded.last_hidden_state
         if labels is None:
             return MaskedLMOutput(logits=self.decoder(hidden), hidden_states=encoded.hidden_states)
-        positions = self.masked_positions(labels)
-        logits = self.decoder(hidden.reshape(-1, hidden.shape[-1])[positions])
-        targets = labels.reshape(-1)[positions]
+        positions = self.masked_positions(labels, masked_per_sequence)
+        hidden, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+        if positions is not None:
+            hidden, targets = hidden[positions], targets[positions]
+        logits = self.decoder(hidden)
         if num_items_in_batch is None:
             loss = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX)
         else:

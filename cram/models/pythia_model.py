@@ -211,6 +211,7 @@ def build_pythia_model(
             with torch.device("meta"):
                 model = GPTNeoXForCausalLM(config)
             model.to_empty(device=device)
+            model.tie_weights()  # `to_empty` gives each module its own tensor, a tied output layer included
     initialize_pythia_weights(model, name)
     return model
 
@@ -228,7 +229,7 @@ def pythia_size_of(config: GPTNeoXConfig) -> str:
 def gpt_neox_parameters(config: GPTNeoXConfig) -> int:
     """The parameters of `GPTNeoXForCausalLM(config)`, counted from the config alone (no model is built, which
     under a ZeRO-3 launch would already be partitioned): per layer two LayerNorms, QKV and output projections,
-    the MLP, all with biases; a final LayerNorm; untied input and output embeddings."""
+    the MLP, all with biases; a final LayerNorm; the input and output embeddings (one matrix where tied)."""
     hidden, intermediate = config.hidden_size, config.intermediate_size
     layer = 2 * 2 * hidden + (3 * hidden * hidden + 3 * hidden) + (hidden * hidden + hidden) \
         + (hidden * intermediate + intermediate) + (intermediate * hidden + hidden)
@@ -243,7 +244,8 @@ def gpt_neox_largest_module_parameters(config: GPTNeoXConfig) -> int:
 
 
 def embedding_parameters(config: GPTNeoXConfig) -> int:
-    """The input embedding and the (untied) output projection: what "non-embedding" counts leave out."""
-    return 2 * config.vocab_size * config.hidden_size
+    """The input embedding and the output projection, one matrix where `tie_word_embeddings` ties them (every Pythia
+    size unties them): what "non-embedding" counts leave out."""
+    return (1 if config.tie_word_embeddings else 2) * config.vocab_size * config.hidden_size
 
 

@@ -165,7 +165,8 @@ def _accumulate_gradients(
     loss_sum = torch.zeros((), device=accelerator.device)
     sequences = seq_len = 0
     for micro_step in range(accumulation):
-        batch = {name: tensor.to(accelerator.device, non_blocking=True) for name, tensor in next(batches).items()}
+        batch = {name: value.to(accelerator.device, non_blocking=True) if torch.is_tensor(value) else value
+                 for name, value in next(batches).items()}  # a count (`masked_per_sequence`) stays an int
         is_last = micro_step == accumulation - 1
         accelerator.gradient_state._set_sync_gradients(is_last)
         with contextlib.nullcontext() if is_last else accelerator.no_sync(model):
