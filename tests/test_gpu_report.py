@@ -237,6 +237,11 @@ def test_the_loss_lever_takes_the_cross_entropy_on_the_autocast_dtypes_logits():
     bert = shape_for("toy").bert
     batch = mlm_batch(bert.vocab_size, 2, bert.max_position_embeddings, bert.sparse_prediction, torch.device("cpu"))
     lever = LossInAutocastDtype(model)
+    # The report's batch carries the collator's count, so crammed BERT predicts that many positions a sequence, as the
+    # recipe's training does, not every position.
+    per_sequence = batch["masked_per_sequence"]
+    assert ((batch["labels"] != -100).sum(dim=1) == per_sequence).all()
+    assert model.masked_positions(batch["labels"], per_sequence).numel() == 2 * per_sequence
     assert lever(**batch)["loss"].item() == pytest.approx(model(**batch).loss.item(), rel=1e-6)  # fp32: the same
     with torch.autocast("cpu", dtype=torch.bfloat16):  # the model upcasts its logits; the lever does not
         assert model(**batch).loss.dtype == torch.float32 and lever(**batch)["loss"].dtype == torch.bfloat16

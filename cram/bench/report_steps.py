@@ -131,15 +131,20 @@ def training_step(model: torch.nn.Module, next_batch: Callable[[], dict[str, tor
 
 
 def mlm_batch(vocab: int, batch: int, seq_len: int, masked_fraction: float, device: torch.device) -> dict:
-    """Synthetic masked-LM tokens: `masked_fraction` of the positions, at random, carry labels: the fixed count
-    that crammed BERT's and the original's sparse prediction are built for."""
+    """Synthetic masked-LM tokens: `masked_fraction` of each sequence's positions, at random, carry labels, the
+    fixed count that crammed BERT's and the original's sparse prediction are built for; the batch says the count
+    (`masked_per_sequence`) as cram's collator does, so crammed BERT predicts only those positions."""
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(5, vocab, (batch, seq_len), generator=generator)
-    labels = torch.full_like(input_ids, -100).view(-1)
-    masked = torch.randperm(batch * seq_len, generator=generator)[:round(masked_fraction * batch * seq_len)]
-    labels[masked] = input_ids.view(-1)[masked]
-    labels = labels.view(batch, seq_len)
-    return {"input_ids": input_ids.to(device), "labels": labels.to(device)}
+    per_sequence = round(masked_fraction * seq_len)
+    masked = torch.rand(batch, seq_len, generator=generator).argsort(dim=1)[:, :per_sequence]
+    labels = torch.full_like(input_ids, -100).scatter_(1, masked, input_ids.gather(1, masked))
+    return {"input_ids": input_ids.to(device), "labels": labels.to(device), "masked_per_sequence": per_sequence}
+
+
+def without_count(batch: dict) -> dict:
+    """The batch as a model that knows nothing of cram's collator takes it (the original's, BertForMaskedLM)."""
+    return {key: value for key, value in batch.items() if key != "masked_per_sequence"}
 
 
 class LossInAutocastDtype(torch.nn.Module):
@@ -150,12 +155,16 @@ class LossInAutocastDtype(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                masked_per_sequence: int | None = None) -> dict[str, torch.Tensor]:
         hidden = self.model.bert(input_ids).last_hidden_state
-        positions = self.model.masked_positions(labels)
-        logits = self.model.get_output_embeddings()(hidden.reshape(-1, hidden.shape[-1])[positions])
+        hidden, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+        positions = self.model.masked_positions(labels, masked_per_sequence)
+        if positions is not None:
+            hidden, targets = hidden[positions], targets[positions]
+        logits = self.model.get_output_embeddings()(hidden)
         with torch.autocast(logits.device.type, enabled=False):  # autocast would run cross_entropy in fp32
-            loss = F.cross_entropy(logits, labels.reshape(-1)[positions], ignore_index=IGNORE_INDEX)
+            loss = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
         return {"loss": loss}
 
 
@@ -366,17 +375,18 @@ def candidates(shape: Shape, setting: Setting) -> list[Candidate]:
         return make
 
     bert_rows, pythia_rows = [], []
-    for name, make_model, flops in (("crammed BERT", models["crammed BERT"], crammed_flops),
-                                    ("original cramming", original_model, crammed_flops),
-                                    ("BertForMaskedLM", models["BertForMaskedLM"], hf_bert_flops)):
+    for name, make_model, flops, batch in (
+            ("crammed BERT", models["crammed BERT"], crammed_flops, bert_batch),
+            ("original cramming", original_model, crammed_flops, without_count(bert_batch)),
+            ("BertForMaskedLM", models["BertForMaskedLM"], hf_bert_flops, without_count(bert_batch))):
         # The original's own options come from its checkout (they equal ORIGINAL_COMPILE_OPTIONS; a test checks).
         own = (lambda: original["compile options"]) if name == "original cramming" else ORIGINAL_COMPILE_OPTIONS
-        bert_rows += [row(f"{name}, eager", bert_shape, make_model, None, fixed(bert_batch), precision, bert_tokens,
+        bert_rows += [row(f"{name}, eager", bert_shape, make_model, None, fixed(batch), precision, bert_tokens,
                           flops),
-                      row(f"{name}, compiled", bert_shape, make_model, {}, fixed(bert_batch), precision,
+                      row(f"{name}, compiled", bert_shape, make_model, {}, fixed(batch), precision,
                           bert_tokens, flops),
                       row(f"{name}, compiled with the original's options", bert_shape, make_model, own,
-                          fixed(bert_batch), precision, bert_tokens, flops, autotunes=True)]
+                          fixed(batch), precision, bert_tokens, flops, autotunes=True)]
     for name in (shape.pythia, HF_GPT_NEOX):
         pythia_rows += [row(f"{name}, {how}", pythia_shape, models[name], options, fixed(pythia_batch),
                             pythia_precision, pythia_tokens, pythia_flops,
