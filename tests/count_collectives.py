@@ -56,7 +56,7 @@ def micro_batches(vocab_size: int, seq_len: int, masked_per_sequence: int):
         input_ids = torch.randint(5, vocab_size, (2, seq_len), generator=generator)
         masked = torch.rand(2, seq_len, generator=generator).argsort(dim=1)[:, :masked_per_sequence]
         labels = torch.full_like(input_ids, -100).scatter(1, masked, input_ids.gather(1, masked))
-        yield {"input_ids": input_ids, "labels": labels}
+        yield {"input_ids": input_ids, "labels": labels, "masked_per_sequence": masked_per_sequence}
 
 
 def per_step() -> list[dict]:
