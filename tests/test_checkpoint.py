@@ -18,7 +18,7 @@ from cram.train.checkpoint import (
     complete_checkpoints,
     find_checkpoint,
 )
-from cram.train.layout import Layout, needs_universal, saved_layout, split_batch
+from cram.train.layout import Layout, check_universal_supported, needs_universal, saved_layout, split_batch
 from cram.train.preemption import Preemption
 from cram.train.state import TrainState
 
@@ -209,3 +209,14 @@ def test_a_checkpoint_written_before_layouts_were_recorded_names_its_launch():
     assert saved_layout(record) == Layout(2, "deepspeed")
     record["layout"] = {"num_processes": 4, "state_format": "deepspeed", "zero_stage": 3}
     assert saved_layout(record) == Layout(4, "deepspeed", 3)
+
+
+def test_a_move_through_the_universal_form_is_refused_on_a_deepspeed_older_than_it_is_tested_with():
+    saved, here = Layout(2, "deepspeed", 1), Layout(1, "deepspeed", 3)
+    check_universal_supported(saved, here, installed="0.19.8")
+    with pytest.raises(UserError, match=r"^this state was saved on 2 process\(es\), deepspeed ZeRO-1 and DeepSpeed "
+                                        r"0\.16\.0 resumes it here on 1 process\(es\), deepspeed ZeRO-3 only .*"
+                                        r"pip install \"deepspeed>=0\.19\.8\", or resume on the layout that saved "
+                                        r"it\.$") as refused:
+        check_universal_supported(saved, here, installed="0.16.0")
+    assert str(refused.value).count(". ") == 0

@@ -110,6 +110,26 @@ def needs_universal(saved: Layout, current: Layout) -> bool:
     return saved.num_processes != current.num_processes or saved.zero_stage != current.zero_stage
 
 
+# The oldest DeepSpeed whose universal checkpoint the moves are tested with; the repairs below are written against it.
+UNIVERSAL_TESTED_FROM = "0.19.8"
+
+
+def check_universal_supported(saved: Layout, current: Layout, installed: str | None = None) -> None:
+    """Refuse a move through the universal form on a DeepSpeed older than the one it is tested with."""
+    from packaging.version import Version
+
+    if installed is None:
+        import deepspeed
+
+        installed = deepspeed.__version__
+    if Version(installed) < Version(UNIVERSAL_TESTED_FROM):
+        raise UserError(
+            f"this state was saved on {saved.describe()} and DeepSpeed {installed} resumes it here on "
+            f"{current.describe()} only through a universal checkpoint that cram is tested with from DeepSpeed "
+            f"{UNIVERSAL_TESTED_FROM}: pip install \"deepspeed>={UNIVERSAL_TESTED_FROM}\", or resume on the layout "
+            "that saved it.")
+
+
 def universal_checkpoint(checkpoint: Path) -> Path:
     """`checkpoint`'s DeepSpeed state converted by DeepSpeed's own `ds_to_universal` (each parameter's fp32 weights
     and Adam moments whole, in `zero/<name>/`), in `checkpoint/universal` beside the random states, in the layout

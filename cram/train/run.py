@@ -37,6 +37,7 @@ from cram.train.layout import (
     BatchSplit,
     Layout,
     check_state_format,
+    check_universal_supported,
     current_layout,
     needs_universal,
     saved_layout,
@@ -151,6 +152,7 @@ class RecipeRun:
             check_same_run(self.saved["run"], facts, self.resume_from)
             check_state_format(self.saved_layout, self.layout, self.resume_from)
             if needs_universal(self.saved_layout, self.layout):
+                check_universal_supported(self.saved_layout, self.layout)
                 checkpoint = self.resume_from
                 states = local_main_first(self.accelerator, lambda: universal_checkpoint(checkpoint),
                                           ready=lambda: (checkpoint / UNIVERSAL_FOLDER).is_dir())
