@@ -25,13 +25,14 @@ def write_state(folder: Path, stage: int, precision: str) -> None:
     torch.manual_seed(stage)
     model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                              intermediate_size=32, max_position_embeddings=16))
-    config = {"train_batch_size": 1, "zero_optimization": {"stage": stage},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    config = {"train_batch_size": 1, "zero_optimization": {"stage": stage}}
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
     if stage in (1, 2):
         config["data_types"] = {"grad_accum_dtype": "fp32"}
-    engine, *_ = deepspeed.initialize(model=model, config=config)
+    # torch's AdamW handed in, as the recipes hand theirs: DeepSpeed's own "AdamW" would build its fused op first.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     tokens = torch.randint(0, 64, (1, 8))
     engine.backward(engine(input_ids=tokens, labels=tokens).loss)
     engine.step()
@@ -49,5 +50,8 @@ if __name__ == "__main__":
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from cram.train.deepspeed_setup import skip_deepspeed_shared_memory_op
+
+    skip_deepspeed_shared_memory_op()  # as the recipes' DeepSpeed launches on the CPU do: no op built on start
     for name, stage, precision in STATES:
         write_state(Path(sys.argv[1]) / name, stage, precision)

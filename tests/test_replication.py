@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -370,7 +371,10 @@ def deepspeed_states(tmp_path_factory) -> Path:
     """Every DeepSpeed state tests/deepspeed_states.py writes, from one process of its own (DeepSpeed's process group
     must not live in the test's)."""
     folder = tmp_path_factory.mktemp("deepspeed-states")
-    launching.run([sys.executable, str(Path(__file__).with_name("deepspeed_states.py")), str(folder)], check=True)
+    extensions = tmp_path_factory.mktemp("torch-extensions")  # where DeepSpeed would build an op: minutes of g++
+    launching.run([sys.executable, str(Path(__file__).with_name("deepspeed_states.py")), str(folder)], check=True,
+                  env={**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions)})
+    assert not list(extensions.rglob("*.so")), sorted(extensions.rglob("*"))
     return folder
 
 
