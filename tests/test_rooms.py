@@ -76,8 +76,7 @@ def test_no_two_modules_import_each_other():
     """Within a room too, a module that another imports never imports it back, directly or round a loop (counting
     imports inside functions and under TYPE_CHECKING): each module holds one job and depends on those below it."""
     paths = {module_name(path): path for path in CRAM.rglob("*.py")}
-    graph = {module: {imported for imported in map(lambda name: module_of(name, paths), imported_modules(path))
-                      if imported is not None and imported != module}
+    graph = {module: {module_of(name, paths) for name in imported_modules(path)} - {None, module}
              for module, path in paths.items()}
     assert import_cycles(graph) == []
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
