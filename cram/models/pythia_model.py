@@ -199,11 +199,14 @@ def build_pythia_model(
     """
     check_size(name)
     config = config if config is not None else pythia_config(name)
-    device = torch.device(device) if device is not None else torch.get_default_device()
+    # Not torch.get_default_device(): before torch 2.7 it does not see a `with torch.device("meta")` block.
+    device = torch.device(device) if device is not None else torch.empty(0).device
     zero_init = is_deepspeed_zero3_enabled() if zero_init is None else zero_init
     if not zero_init and device.type == "meta":
         with torch.device("meta"):
-            return GPTNeoXForCausalLM(config)
+            model = GPTNeoXForCausalLM(config)
+        model.tie_weights()  # transformers 5.0 ties a model built on the meta device only in from_pretrained
+        return model
     with torch.random.fork_rng():  # transformers' own init under zero.Init draws too: keep ours from seeing it
         if zero_init:
             model = GPTNeoXForCausalLM._from_config(config)
