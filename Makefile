@@ -168,6 +168,13 @@ pythia-replicate: pythia-data
 bench-replication: setup
 	$(BIN)/python -m cram.bench.replication_sensitivity --output-dir runs/bench-replication
 
+# Where the suite's CPU goes: every Python process it starts, by kind and by test module (docs/benchmarks.md: The test
+# suite); runs the whole suite, as `make test` does, and writes runs/bench-suite/costs.md.
+.PHONY: bench-suite
+bench-suite: setup
+	mkdir -p runs/bench-suite
+	$(BIN)/python -m cram.bench.suite_costs --output runs/bench-suite/costs.md
+
 # The planner: which configuration trains MODEL fastest on the hardware ACCEL_CONFIG describes, and what the run costs.
 MODEL ?= pythia-1b
 ACCEL_CONFIG ?= accel_configs/1gpu.yaml
