@@ -168,8 +168,8 @@ pythia-replicate: pythia-data
 bench-replication: setup
 	$(BIN)/python -m cram.bench.replication_sensitivity --output-dir runs/bench-replication
 
-# Where the suite's CPU goes: every Python process it starts, by kind and by test module (docs/benchmarks.md: The test
-# suite); runs the whole suite, as `make test` does, and writes runs/bench-suite/costs.md.
+# Where the suite's CPU goes: every Python process it starts, by kind and by test module; runs the whole suite, as
+# `make test` does, and writes runs/bench-suite/costs.md (docs/benchmarks.md: The test suite).
 .PHONY: bench-suite
 bench-suite: setup
 	mkdir -p runs/bench-suite
