@@ -41,3 +41,25 @@ def test_process_kinds_name_the_launcher_the_script_or_the_python_flag():
     assert suite_costs.process_kind(["/venv/bin/accelerate", "launch", "-q"]) == "accelerate launch"
     assert suite_costs.process_kind([str(Path("/repo/recipes/cram.py")), "--preset"]) == "cram.py"
     assert suite_costs.process_kind(["-c"]) == "python -c"
+
+
+def test_a_site_packages_it_cannot_write_is_one_sentence_and_exit_2(tmp_path, monkeypatch, capsys):
+    not_a_folder = tmp_path / "site-packages"
+    not_a_folder.write_text("")
+    monkeypatch.setattr(suite_costs.sysconfig, "get_paths", lambda: {"purelib": str(not_a_folder)})
+    monkeypatch.setattr(sys, "argv", ["suite_costs"])
+    with pytest.raises(SystemExit) as exited:
+        suite_costs.run_cli(suite_costs.main)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot write the hook into {not_a_folder} (Not a directory): run it with the "
+                          "project's own virtual environment (make bench-suite)") and err.count("\n") == 1
+
+
+def test_an_output_in_a_missing_folder_is_refused_before_the_suite_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["suite_costs", "--output", str(tmp_path / "no" / "costs.md")])
+    with pytest.raises(SystemExit) as exited:
+        suite_costs.run_cli(suite_costs.main)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == (f"error: --output {tmp_path / 'no' / 'costs.md'}: its folder does not exist: "
+                                       "create it first.\n")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import subprocess
@@ -25,6 +26,8 @@ import sys
 import sysconfig
 import tempfile
 from pathlib import Path
+
+from cram.errors import UserError, run_cli
 
 HOOK_MODULE = "_cram_suite_costs"
 LOG_VARIABLE = "CRAM_SUITE_COSTS_LOG"
@@ -112,19 +115,20 @@ def report(log: Path) -> str:
              "| process | count | CPU-s | CPU-s each |", "|---|---:|---:|---:|"]
     for kind, cpus in sorted(kinds.items(), key=lambda item: -sum(item[1])):
         lines.append(f"| {kind} | {len(cpus)} | {sum(cpus):,.0f} | {sum(cpus) / len(cpus):.1f} |")
-    by_module: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0])
+    own, children, logged, count = (collections.Counter() for _ in range(4))
     for test in tests:
-        row = by_module[test["test"].split("::")[0]]
-        row[0] += test["own"]
-        row[1] += test["children"]
+        module = test["test"].split("::")[0]
+        own[module] += test["own"]
+        children[module] += test["children"]
     for process in processes:
-        row = by_module[process["test"].split("::")[0] or "(no test: the workers, the Slurm jobs)"]
-        row[2] += process["cpu"]
-        row[3] += 1
+        module = process["test"].split("::")[0] or "(no test: the workers, the Slurm jobs)"
+        logged[module] += process["cpu"]
+        count[module] += 1
     lines += ["", "| module | in the worker | children | of which logged | processes logged |",
               "|---|---:|---:|---:|---:|"]
-    for module, (own, children, logged, count) in sorted(by_module.items(), key=lambda item: -sum(item[1][:2])):
-        lines.append(f"| {module} | {own:,.0f} | {children:,.0f} | {logged:,.0f} | {count} |")
+    for module in sorted(own.keys() | logged.keys(), key=lambda module: (-(own[module] + children[module]), module)):
+        lines.append(f"| {module} | {own[module]:,.0f} | {children[module]:,.0f} | {logged[module]:,.0f} "
+                     f"| {count[module]} |")
     return "\n".join(lines)
 
 
@@ -133,14 +137,23 @@ def main() -> None:
     parser.add_argument("--output", type=Path, help="also write the tables there (markdown)")
     parser.add_argument("pytest_args", nargs="*", help="after --: pytest's arguments (default: the whole suite)")
     args = parser.parse_args()
+    if args.output and not args.output.parent.is_dir():
+        raise UserError(f"--output {args.output}: its folder does not exist: create it first")
     site_packages = Path(sysconfig.get_paths()["purelib"])
     hook, pth = site_packages / f"{HOOK_MODULE}.py", site_packages / f"{HOOK_MODULE}.pth"
     with tempfile.TemporaryDirectory(prefix="cram-suite-costs-") as folder:
         log = Path(folder) / "processes.jsonl"
         plugin = Path(folder) / "_cram_suite_costs_plugin.py"
         plugin.write_text(PLUGIN_SOURCE)
-        hook.write_text(HOOK_SOURCE)
-        pth.write_text(f"import {HOOK_MODULE}\n")
+        try:
+            hook.write_text(HOOK_SOURCE)
+            pth.write_text(f"import {HOOK_MODULE}\n")
+        except OSError as error:
+            with contextlib.suppress(OSError):
+                hook.unlink(missing_ok=True)
+            raise UserError(f"cannot write the hook into {site_packages} ({error.strerror}): run it with the "
+                            "project's own virtual environment (make bench-suite), whose site-packages is yours") \
+                from error
         env = {**os.environ, LOG_VARIABLE: str(log), "PYTHONPATH": os.pathsep.join(
             filter(None, [folder, os.environ.get("PYTHONPATH", "")]))}
         try:
@@ -158,4 +171,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)
