@@ -9,10 +9,14 @@ module starts processes (tests/test_launching.py checks it)."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import hashlib
 import importlib.util
+import json
 import os
 import runpy
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,6 +40,7 @@ ACCELERATE = Path(sys.executable).with_name("accelerate")
 HANG_GUARD = 900
 OUTPUT_TAIL = 3000  # characters of a process's output a failure shows
 PYTHON_PROGRAMS = ("python", "accelerate", "torchrun", "deepspeed")
+CONSOLE_SCRIPTS = ("accelerate", "torchrun", "deepspeed")  # Python programs installed beside the interpreter
 
 
 class LaunchNotMarked(AssertionError):
@@ -69,16 +74,134 @@ def accelerate_launch(config: Path | str) -> list:
     return [ACCELERATE, "launch", "-q", "--config_file", config, "--main_process_port", str(free_port())]
 
 
-class StartedProcess:
-    """A process `started` runs, its stdout and stderr going to files in `folder`."""
+class Zygotes:
+    """The zygotes of this pytest process (tests/zygote.py): one per environment that starts Python programs more
+    than once, each forking those programs with the imports done, so a recipe run or a rank costs its work, not ten
+    CPU-seconds of imports. `CRAM_TEST_ZYGOTES=0` starts every program in a fresh interpreter instead."""
 
-    def __init__(self, command: list, folder: Path, **options) -> None:
+    MOST = 4  # zygotes alive at once, each holding its imports in memory (about 0.7 GB, shared with its children)
+
+    def __init__(self) -> None:
+        self.folder: Path | None = None
+        self.started: dict[str, subprocess.Popen] = {}
+        self.environments: dict[str, dict[str, str]] = {}  # each zygote's
+        self.seen: dict[str, int] = {}
+        self.relevant: dict | None = None
+
+    @staticmethod
+    def enabled() -> bool:
+        return os.environ.get("CRAM_TEST_ZYGOTES", "1") != "0"
+
+    def shim(self) -> Path:
+        """The stand-in interpreter, made once (tests/zygote_shim.py with this interpreter's path written in)."""
+        if self.folder is None:
+            self.folder = Path(tempfile.mkdtemp(prefix="cram-zygotes-"))
+            source = (Path(__file__).with_name("zygote_shim.py")).read_text().replace("@PYTHON@", sys.executable)
+            shim = self.folder / "python"
+            shim.write_text(f"#!{sys.executable} -SE\n{source}")
+            shim.chmod(0o755)
+            # Beside it, the console scripts that programs find next to their interpreter (Path(sys.executable)
+            # .with_name("accelerate")), run by the shim.
+            for name in CONSOLE_SCRIPTS:
+                if (real := ACCELERATE.with_name(name)).exists():
+                    body = real.read_text().split("\n", 1)[1]
+                    (self.folder / name).write_text(f"#!{shim}\n{body}")
+                    (self.folder / name).chmod(0o755)
+            atexit.register(self.close)
+        return self.folder / "python"
+
+    def name(self, env: dict[str, str]) -> str | None:
+        """The zygote name for `env`, as the shim computes it; None until the first zygote has said what it read."""
+        if self.relevant is None:
+            ready = self.folder / "first.ready"
+            if not ready.exists():
+                return None
+            self.relevant = json.loads(ready.read_text())
+            (self.folder / "relevant.json.new").write_text(json.dumps(self.relevant))
+            os.replace(self.folder / "relevant.json.new", self.folder / "relevant.json")
+            first = self.name(self.environments["first"])
+            for suffix in (".sock", ".ready"):
+                (self.folder / f"{first}{suffix}").symlink_to(self.folder / f"first{suffix}")
+            self.started[first] = self.started.pop("first")
+        read, prefixes = set(self.relevant["read"]), tuple(self.relevant["prefixes"])
+        part = {name: value for name, value in env.items() if name in read or name.startswith(prefixes)}
+        return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:16]
+
+    def start(self, name: str, env: dict[str, str]) -> None:
+        with open(self.folder / f"{name}.log", "wb") as log:
+            process = subprocess.Popen([sys.executable, Path(__file__).with_name("zygote.py"), self.folder, name,
+                                        str(os.getpid())], env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                       stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+        self.started[name], self.environments[name] = process, dict(env)
+
+    def command(self, command: list, env: dict[str, str] | None) -> list:
+        """`command` run through the shim (which falls back to a fresh interpreter where no zygote serves `env`),
+        starting a zygote for `env` the second time it is seen."""
+        program = Path(str(command[0]))
+        if str(command[0]) == sys.executable or program.name.startswith("python"):
+            arguments = command[1:]
+        elif program.name in CONSOLE_SCRIPTS and program.parent == ACCELERATE.parent:
+            arguments = command
+        else:
+            return command
+        shim = self.shim()
+        env = dict(os.environ if env is None else env)
+        if not self.started:
+            self.start("first", env)
+        else:
+            name = self.name(env)
+            if name is not None and name not in self.started:
+                self.seen[name] = self.seen.get(name, 0) + 1
+                alive = sum(process.poll() is None for process in self.started.values())
+                if self.seen[name] >= 2 and alive < self.MOST:
+                    self.start(name, env)
+        return [shim, *arguments]
+
+    def ready_for(self, env: dict[str, str], seconds: float = 300) -> None:
+        """Start a zygote for `env` if none serves it, and wait until it serves."""
+        self.shim()
+        if not self.started:
+            self.start("first", env)
+        wait_until(lambda: self.name(env) is not None, seconds=seconds, what="the first zygote")
+        if (name := self.name(env)) not in self.started:
+            self.start(name, env)
+        wait_until((self.folder / f"{name}.ready").exists, seconds=seconds, what="the zygote")
+
+    def close(self) -> None:
+        for process in self.started.values():  # each ends itself on SIGTERM, with its atexit handlers
+            with contextlib.suppress(ProcessLookupError):
+                process.terminate()
+        for process in self.started.values():
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=30)
+        if self.folder is not None:
+            log = self.folder / "fresh.log"
+            if os.environ.get("CRAM_TEST_ZYGOTE_LOG") and log.exists():  # where programs started fresh, and why
+                with open(os.environ["CRAM_TEST_ZYGOTE_LOG"], "a") as gathered:
+                    gathered.write(log.read_text())
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+ZYGOTES = Zygotes()
+
+
+class StartedProcess:
+    """A process `started` runs, its stdout and stderr going to files in `folder`. A Python program starts through a
+    zygote (`Zygotes`) unless `fresh`."""
+
+    def __init__(self, command: list, folder: Path, fresh: bool = False, **options) -> None:
         self.args = [str(part) for part in command]
+        if not fresh and Zygotes.enabled():
+            command = ZYGOTES.command(command, options.get("env"))
         self.stdout_file, self.stderr_file = folder / "stdout", folder / "stderr"
         self.output_reported = False  # whether a failure has shown the end of its output
         options.setdefault("stdin", subprocess.DEVNULL)  # a question on a terminal would wait for an answer
         with open(self.stdout_file, "wb") as stdout, open(self.stderr_file, "wb") as stderr:
-            self.process = subprocess.Popen(self.args, stdout=stdout, stderr=stderr, start_new_session=True,
+            self.process = subprocess.Popen([str(part) for part in command], stdout=stdout, stderr=stderr, start_new_session=True,
                                             **options)
         self.pid = self.process.pid
 

@@ -342,7 +342,7 @@ def test_the_launched_recipe_prints_only_the_sentence(tmp_path, recipe_env, argu
     # As a user runs it: one line on stderr, no traceback, exit status 2, before and after the launch is set up.
     output_dir = tmp_path / "run"
     command = [sys.executable, RECIPE, "--preset", "tiny", "--budget", "5s", "--output-dir", output_dir, *arguments]
-    completed = run(command, env=recipe_env)
+    completed = run(command, env=recipe_env, fresh=True)  # what the imports print too, as a user's interpreter would
     assert completed.returncode == 2
     assert completed.stderr.startswith("error: ") and message in completed.stderr
     assert "Traceback" not in completed.stderr and len(completed.stderr.strip().splitlines()) == 1

@@ -136,7 +136,9 @@ def forbidden(path: Path) -> list[str]:
 
 
 def test_only_launching_starts_processes_and_no_wait_lacks_a_deadline():
-    modules = [path for path in sorted(TESTS.glob("*.py")) if path.name != "launching.py"]
+    # launching.py starts every process; the zygote it starts forks them, and its shim runs a fresh interpreter.
+    modules = [path for path in sorted(TESTS.glob("*.py"))
+               if path.name not in ("launching.py", "zygote.py", "zygote_shim.py")]
     assert len(modules) > 50 and Path(__file__) in modules
     assert [finding for path in modules for finding in forbidden(path)] == []
 

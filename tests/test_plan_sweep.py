@@ -368,7 +368,9 @@ def test_sigterm_to_the_planner_mid_candidate_ends_the_candidates_processes(tmp_
                 if "cram.plan.probe" in (command := " ".join(process.info["cmdline"] or []))
                 and str(output_dir) in command]
 
-    with started(command, cwd=REPO, env=recipe_env) as planner:
+    # Fresh interpreters: the test finds the candidate's processes by their command lines (a zygote's child has the
+    # zygote's).
+    with started(command, cwd=REPO, env=recipe_env, fresh=True) as planner:
         try:
             wait_until(lambda: len(candidate_processes()) >= 2, planner, seconds=300,
                        what="the candidate's launcher and worker")

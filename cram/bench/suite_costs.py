@@ -55,11 +55,12 @@ if os.environ.get("CRAM_SUITE_COSTS_LOG"):
                 return ""
         return ""
 
-    _test = _started_by()
+    _test, _pid = _started_by(), os.getpid()
 
     def _log():
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        line = json.dumps({"argv": sys.argv[:4], "test": _test, "cpu": usage.ru_utime + usage.ru_stime,
+        test = _test if os.getpid() == _pid else _started_by()  # a forked child (the tests' zygotes) asks again
+        line = json.dumps({"argv": sys.argv[:4], "test": test, "cpu": usage.ru_utime + usage.ru_stime,
                            "deepspeed": "deepspeed" in sys.modules})
         with open(os.environ["CRAM_SUITE_COSTS_LOG"], "a") as file:
             file.write(line + "\\n")

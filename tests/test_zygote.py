@@ -1,0 +1,139 @@
+"""A program forked by the tests' zygote (tests/zygote.py) behaves, seen from the test and from its own code, as the
+same program in a fresh interpreter: arguments, environment, working directory, import path, streams, exit status,
+signals, atexit handlers and threads; killing the stand-in kills the program; an environment the zygote did not import
+under gets a fresh interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+from launching import ACCELERATE, ZYGOTES, Zygotes, run, started, wait_until
+
+pytestmark = pytest.mark.launch
+
+# Prints what a fresh interpreter would show of its process state, as JSON on stdout.
+REPORT = """
+import json, os, sys, threading, atexit, time
+atexit.register(lambda: print("atexit ran", file=sys.stderr, flush=True))
+def late():
+    time.sleep(0.3)
+    print("thread joined", file=sys.stderr, flush=True)
+threading.Thread(target=late).start()
+print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "marker": os.environ.get("MARKER"),
+                  "main": __name__, "file": globals().get("__file__"), "line_buffered": sys.stdout.line_buffering,
+                  "torch_loaded": "torch" in sys.modules, "pid": os.getpid()}))
+sys.exit(int(os.environ.get("STATUS", "0")))
+"""
+
+
+@pytest.fixture(scope="module")
+def forking_env() -> dict[str, str]:
+    """An environment with a ready zygote: the first program under it starts one, fresh itself."""
+    if not Zygotes.enabled():
+        pytest.fail("CRAM_TEST_ZYGOTES=0 turns the zygotes off: run this module without it")
+    env = dict(os.environ)
+    ZYGOTES.ready_for(env)
+    return env
+
+
+def fresh_starts() -> list[dict]:
+    log = ZYGOTES.folder / "fresh.log"
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_a_forked_script_sees_what_a_fresh_interpreter_would(tmp_path, forking_env):
+    script = tmp_path / "report.py"
+    script.write_text(REPORT)
+    env = {**forking_env, "MARKER": "seen", "STATUS": "3"}
+    before = len(fresh_starts())
+    forked = run([sys.executable, "-u", script, "a b", "--c"], cwd=tmp_path, env=env)
+    fresh = run([sys.executable, "-u", script, "a b", "--c"], cwd=tmp_path, env=env, fresh=True)
+    assert len(fresh_starts()) == before  # the first ran in the zygote: torch came loaded
+    reports = [json.loads(completed.stdout) for completed in (forked, fresh)]
+    assert reports[0].pop("torch_loaded") and not reports[1].pop("torch_loaded")
+    assert reports[0].pop("pid") != reports[1].pop("pid")
+    assert reports[0] == reports[1] == {
+        "argv": [str(script), "a b", "--c"], "cwd": str(tmp_path), "path0": str(tmp_path), "marker": "seen",
+        "main": "__main__", "file": str(script), "line_buffered": False}
+    for completed in (forked, fresh):
+        assert completed.returncode == 3
+        assert completed.stderr.splitlines() == ["thread joined", "atexit ran"]
+
+
+def test_a_module_and_a_command_run_as_with_python_m_and_c(tmp_path, forking_env):
+    source = tmp_path / "in.json"
+    source.write_text('{"a": [1, 2]}')
+    module = run([sys.executable, "-m", "json.tool", "--compact", source], cwd=tmp_path, env=forking_env)
+    assert (module.returncode, module.stdout) == (0, '{"a":[1,2]}\n')
+    command = run([sys.executable, "-c", "import sys; print(sys.argv, sys.path[0] == '')", "x"], env=forking_env)
+    assert command.stdout == "['-c', 'x'] True\n"
+
+
+def test_an_uncaught_error_prints_its_traceback_and_exits_1(tmp_path, forking_env):
+    completed = run([sys.executable, "-c", "raise ValueError('broken')"], env=forking_env)
+    assert completed.returncode == 1
+    assert completed.stderr.startswith("Traceback (most recent call last):")
+    assert completed.stderr.rstrip().endswith("ValueError: broken")
+
+
+def test_a_signal_to_the_stand_in_reaches_the_program_and_its_status_says_so(tmp_path, forking_env):
+    ready = tmp_path / "ready"
+    waiting = (f"import pathlib, signal, time\npathlib.Path({str(ready)!r}).write_text('')\n"
+               "time.sleep(600)\n")
+    with started([sys.executable, "-c", waiting], env=forking_env) as process:
+        wait_until(ready.exists, process, seconds=120, what="the program to start")
+        process.send_signal(signal.SIGTERM)
+        assert process.finished(timeout=60).returncode == -signal.SIGTERM
+    handled = (f"import pathlib, signal, sys, time\n"
+               "signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))\n"
+               f"pathlib.Path({str(ready)!r} + '2').write_text('')\n"
+               "time.sleep(600)\n")
+    with started([sys.executable, "-c", handled], env=forking_env) as process:
+        wait_until(Path(f"{ready}2").exists, process, seconds=120, what="the program to start")
+        process.send_signal(signal.SIGTERM)
+        assert process.finished(timeout=60).returncode == 7
+
+
+def test_killing_the_stand_in_kills_the_program(tmp_path, forking_env):
+    pid_file = tmp_path / "pid"
+    waiting = f"import os, pathlib, time\npathlib.Path({str(pid_file)!r}).write_text(str(os.getpid()))\ntime.sleep(600)\n"
+    with started([sys.executable, "-c", waiting], env=forking_env) as process:
+        wait_until(pid_file.exists, process, seconds=120, what="the program to start")
+        program = int(pid_file.read_text())
+        assert program != process.pid  # the zygote's child, not the stand-in
+        process.send_signal(signal.SIGKILL)
+        process.finished(timeout=60)
+
+    def gone() -> bool:
+        try:
+            os.kill(program, 0)
+        except ProcessLookupError:
+            return True
+        return Path(f"/proc/{program}/stat").read_text().split(")")[1].split()[0] == "Z"
+
+    wait_until(gone, seconds=30, what="the forked program to be killed")
+
+
+def test_an_environment_the_zygote_did_not_import_under_gets_a_fresh_interpreter(tmp_path, forking_env):
+    before = len(fresh_starts())
+    env = {**forking_env, "PYTHONHASHSEED": "123"}  # the interpreter reads it at start
+    completed = run([sys.executable, "-c", "import sys; print('torch' in sys.modules)"], env=env, check=True)
+    assert completed.stdout == "False\n"
+    assert fresh_starts()[before:] and fresh_starts()[-1]["argv"][0] == "-c"
+
+
+def test_a_console_script_beside_the_interpreter_runs_through_the_zygote(forking_env):
+    # The planner and the recipes' tools find `accelerate` beside sys.executable, the stand-in in a forked program.
+    find = ("import pathlib, subprocess, sys\n"
+            "tool = pathlib.Path(sys.executable).with_name('accelerate')\n"
+            "print(subprocess.run([str(tool), 'launch', '--help'], capture_output=True, text=True, timeout=300)"
+            ".stdout.split()[0])")
+    before = len(fresh_starts())
+    completed = run([sys.executable, "-c", find], env=forking_env, check=True)
+    assert completed.stdout == "usage:\n" and ACCELERATE.exists()
+    assert len(fresh_starts()) == before

@@ -1,0 +1,83 @@
+"""Stands in for `python ARGUMENTS` (tests/zygote.py): asks the zygote of this environment to fork the program, then
+passes signals to it and ends with its status; where no zygote serves this environment, or it refuses, runs a fresh
+interpreter in its place. Standard library only: it runs as `python -S -E`, copied beside the zygotes' sockets with
+the real interpreter's path on its first line."""
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import sys
+
+FOLDER = os.path.dirname(os.path.abspath(__file__))
+PYTHON = "@PYTHON@"  # the real interpreter, written in when the shim is copied
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
+
+
+def fresh(why: str) -> None:
+    """Run the program in a fresh interpreter (in this process), noting why in the zygotes' folder."""
+    try:
+        with open(os.path.join(FOLDER, "fresh.log"), "a") as log:
+            log.write(json.dumps({"why": why, "argv": sys.argv[1:4]}) + "\n")
+    except OSError:
+        pass
+    os.execv(PYTHON, [PYTHON, *sys.argv[1:]])
+
+
+def zygote_socket() -> str | None:
+    """The socket of the zygote started under this environment's relevant part, if one is ready."""
+    try:
+        with open(os.path.join(FOLDER, "relevant.json")) as file:
+            known = json.load(file)
+    except (OSError, ValueError):
+        return None
+    read, prefixes = set(known["read"]), tuple(known["prefixes"])
+    part = {name: value for name, value in os.environ.items() if name in read or name.startswith(prefixes)}
+    name = hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:16]
+    path = os.path.join(FOLDER, f"{name}.sock")
+    return path if os.path.exists(os.path.join(FOLDER, f"{name}.ready")) else None
+
+
+def main() -> None:
+    path = zygote_socket()
+    if path is None:
+        fresh("no zygote for this environment")
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.connect(path)
+        request = {"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd(),
+                   "executable": os.path.abspath(sys.argv[0])}
+        socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
+        reader = connection.makefile("rb")
+        answer = json.loads(reader.readline())
+    except (OSError, ValueError) as error:
+        fresh(f"the zygote did not answer: {error}")
+    if "pid" not in answer:
+        fresh(f"the zygote refused: {answer.get('fresh')}")
+    child = answer["pid"]
+
+    def forward(number, frame):
+        try:
+            os.kill(child, number)
+        except ProcessLookupError:
+            pass
+
+    for number in FORWARDED:
+        signal.signal(number, forward)
+    while True:
+        try:
+            line = reader.readline()
+            break
+        except InterruptedError:
+            continue
+    if not line:  # the zygote died with its children
+        sys.exit(1)
+    code = os.waitstatus_to_exitcode(json.loads(line)["status"])
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
+
+
+main()
