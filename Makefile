@@ -175,6 +175,13 @@ bench-suite: setup
 	mkdir -p runs/bench-suite
 	$(BIN)/python -m cram.bench.suite_costs --output runs/bench-suite/costs.md
 
+# What the tests' zygote saves: a recipe's --help, a tiny run and its 2-process launch, each fresh and forked,
+# side by side; writes runs/bench-zygote/zygote.md (docs/testing.md: Zygotes).
+.PHONY: bench-zygote
+bench-zygote: setup
+	mkdir -p runs/bench-zygote
+	cd tests && ../$(BIN)/python zygote_bench.py | tee ../runs/bench-zygote/zygote.md
+
 # The planner: which configuration trains MODEL fastest on the hardware ACCEL_CONFIG describes, and what the run costs.
 MODEL ?= pythia-1b
 ACCEL_CONFIG ?= accel_configs/1gpu.yaml

@@ -162,10 +162,21 @@ class Zygotes:
         self.shim()
         if not self.started:
             self.start("first", env)
-        wait_until(lambda: self.name(env) is not None, seconds=seconds, what="the first zygote")
+        wait_until(lambda: self.alive("first") and self.name(env) is not None, seconds=seconds,
+                   what="the first zygote")
         if (name := self.name(env)) not in self.started:
             self.start(name, env)
-        wait_until((self.folder / f"{name}.ready").exists, seconds=seconds, what="the zygote")
+        wait_until(lambda: self.alive(name) and (self.folder / f"{name}.ready").exists(), seconds=seconds,
+                   what="the zygote")
+
+    def alive(self, name: str) -> bool:
+        """Whether zygote `name` still runs (it may not be ready); a test fails with its log where it ended."""
+        process = self.started.get(name)
+        if process is not None and process.poll() is not None:
+            log = self.folder / f"{name}.log"
+            pytest.fail(f"the zygote {name} ended with status {process.returncode}:\n"
+                        f"{log.read_text()[-OUTPUT_TAIL:] if log.exists() else ''}")
+        return True
 
     def close(self) -> None:
         for process in self.started.values():  # each ends itself on SIGTERM, with its atexit handlers

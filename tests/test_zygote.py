@@ -51,14 +51,14 @@ def test_a_forked_script_sees_what_a_fresh_interpreter_would(tmp_path, forking_e
     script.write_text(REPORT)
     env = {**forking_env, "MARKER": "seen", "STATUS": "3"}
     before = len(fresh_starts())
-    forked = run([sys.executable, "-u", script, "a b", "--c"], cwd=tmp_path, env=env)
-    fresh = run([sys.executable, "-u", script, "a b", "--c"], cwd=tmp_path, env=env, fresh=True)
+    forked = run([sys.executable, "-u", script.name, "a b", "--c"], cwd=tmp_path, env=env)
+    fresh = run([sys.executable, "-u", script.name, "a b", "--c"], cwd=tmp_path, env=env, fresh=True)
     assert len(fresh_starts()) == before  # the first ran in the zygote: torch came loaded
     reports = [json.loads(completed.stdout) for completed in (forked, fresh)]
     assert reports[0].pop("torch_loaded") and not reports[1].pop("torch_loaded")
     assert reports[0].pop("pid") != reports[1].pop("pid")
     assert reports[0] == reports[1] == {
-        "argv": [str(script), "a b", "--c"], "cwd": str(tmp_path), "path0": str(tmp_path), "marker": "seen",
+        "argv": [script.name, "a b", "--c"], "cwd": str(tmp_path), "path0": str(tmp_path), "marker": "seen",
         "main": "__main__", "file": str(script), "line_buffered": False}
     for completed in (forked, fresh):
         assert completed.returncode == 3

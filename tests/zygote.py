@@ -34,7 +34,7 @@ PREFIXES = ("PYTHON", "LD_", "LC_", "LANG", "MALLOC", "OMP_", "GOMP_", "KMP_", "
 PRELOAD = ("torch", "torch.distributed.run", "transformers", "transformers.modeling_utils",
            "transformers.models.bert.modeling_bert", "transformers.models.gpt_neox.modeling_gpt_neox",
            "accelerate", "accelerate.commands.accelerate_cli", "accelerate.commands.launch", "deepspeed", "peft",
-           "tokenizers", "tqdm.auto", "psutil", "numpy", "yaml", "safetensors.torch")
+           "tokenizers", "tqdm.auto", "psutil", "numpy", "yaml", "safetensors.torch", "matplotlib.pyplot")
 
 
 class RecordingEnviron(os._Environ):
@@ -111,6 +111,11 @@ def serve(folder: str, name: str, watched: int) -> dict:
     removed = [name for name in before if name not in os.environ]
     read -= changes.keys() | set(removed)
     base = relevant(before, read)
+    # The imports' objects never change: out of the collector's sight, a child's collections do not walk them (the
+    # recipes collect at their end) nor copy their pages by touching them.
+    import gc
+    gc.collect()
+    gc.freeze()
     path = os.path.join(folder, f"{name}.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".new")
@@ -258,9 +263,8 @@ def become(request: dict) -> None:
     main.__dict__.update(__builtins__=builtins, __spec__=None, __package__=None, __cached__=None)
     sys.modules["__main__"] = main
     if kind == "script":
-        path = os.path.abspath(target) if not os.path.isabs(target) else target
-        sys.path[0] = os.path.dirname(os.path.realpath(path))
-        main.__file__ = target
+        sys.path[0] = os.path.dirname(os.path.realpath(target))
+        main.__file__ = os.path.abspath(target)  # absolute, as since Python 3.9; sys.argv[0] stays as given
         main.__loader__ = SourceFileLoader("__main__", target)
         with open(target, "rb") as file:
             code = compile(file.read(), target, "exec")
