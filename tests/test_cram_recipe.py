@@ -141,7 +141,7 @@ def test_the_checkpoint_loads_and_serves_where_cram_is_not_installed(crammed_run
     env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
     env["HF_MODULES_CACHE"] = str(tmp_path / "modules")  # where transformers copies the remote code it runs
     completed = run([sys.executable, "-c", WITHOUT_CRAM, tmp_path / "load.py", text, tmp_path / "classifier", tmp_path],
-                    cwd=tmp_path, env=env)
+                    cwd=tmp_path, env=env, fresh=True)
     assert completed.returncode == 0, completed.stderr[-3000:]
 
     model = AutoModelForMaskedLM.from_pretrained(final).eval()

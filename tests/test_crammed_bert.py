@@ -102,7 +102,7 @@ def test_save_then_load_in_a_fresh_process_gives_identical_logits(tmp_path):
     env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
     env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
     files = [tmp_path / "model", tmp_path / "inputs.pt", tmp_path / "out.pt"]
-    completed = run([sys.executable, "-c", SAVED_LOGITS_SCRIPT, *files], cwd=tmp_path, env=env)
+    completed = run([sys.executable, "-c", SAVED_LOGITS_SCRIPT, *files], cwd=tmp_path, env=env, fresh=True)
     assert completed.returncode == 0, completed.stderr[-3000:]
     with torch.no_grad():
         expected = model(input_ids).logits

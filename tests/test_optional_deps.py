@@ -66,6 +66,8 @@ def test_a_one_process_cram_run_trains_with_every_optional_dependency_missing(tm
     )
     command = [sys.executable, "-c", hidden_run, str(REPO / "recipes" / "cram.py"), "--preset", "tiny",
                "--max-steps", "2", "--micro-batch-size", "8", "--target-batch-size", "16", "--output-dir", tmp_path]
-    completed = run(command, env=recipe_env)
+    # A fresh interpreter: a zygote's child would start with the optional modules imported, and with what its
+    # libraries concluded at import about their presence.
+    completed = run(command, env=recipe_env, fresh=True)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert (tmp_path / "final" / "model.safetensors").is_file()
