@@ -145,6 +145,8 @@ class Zygotes:
         else:
             return command
         shim = self.shim()
+        if os.statvfs(shim.parent).f_flag & os.ST_NOEXEC:  # a temporary folder mounted noexec cannot run it
+            return command
         env = dict(os.environ if env is None else env)
         if not self.started:
             self.start("first", env)
