@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import hashlib
 import importlib.util
 import json
 import os
@@ -32,6 +31,7 @@ import psutil
 import pytest
 
 from cram.plan.launch import free_port
+from zygote_shim import zygote_name
 
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE = Path(sys.executable).with_name("accelerate")
@@ -123,9 +123,7 @@ class Zygotes:
             for suffix in (".sock", ".ready"):
                 (self.folder / f"{first}{suffix}").symlink_to(self.folder / f"first{suffix}")
             self.started[first] = self.started.pop("first")
-        read, prefixes = set(self.relevant["read"]), tuple(self.relevant["prefixes"])
-        part = {name: value for name, value in env.items() if name in read or name.startswith(prefixes)}
-        return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:16]
+        return zygote_name(env, self.relevant)
 
     def start(self, name: str, env: dict[str, str]) -> None:
         with open(self.folder / f"{name}.log", "wb") as log:

@@ -25,6 +25,14 @@ def fresh(why: str) -> None:
     os.execv(PYTHON, [PYTHON, *sys.argv[1:]])
 
 
+def zygote_name(env: dict[str, str], known: dict) -> str:
+    """The name of the zygote for `env`: a digest of the variables that decided what its imports did (`known`: what
+    the first zygote read, and the prefixes it counts whole). tests/launching.py names the zygotes it starts so."""
+    read, prefixes = set(known["read"]), tuple(known["prefixes"])
+    part = {name: value for name, value in env.items() if name in read or name.startswith(prefixes)}
+    return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def zygote_socket() -> str | None:
     """The socket of the zygote started under this environment's relevant part, if one is ready."""
     try:
@@ -32,9 +40,7 @@ def zygote_socket() -> str | None:
             known = json.load(file)
     except (OSError, ValueError):
         return None
-    read, prefixes = set(known["read"]), tuple(known["prefixes"])
-    part = {name: value for name, value in os.environ.items() if name in read or name.startswith(prefixes)}
-    name = hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:16]
+    name = zygote_name(dict(os.environ), known)
     path = os.path.join(FOLDER, f"{name}.sock")
     return path if os.path.exists(os.path.join(FOLDER, f"{name}.ready")) else None
 
@@ -80,4 +86,5 @@ def main() -> None:
     sys.exit(code)
 
 
-main()
+if __name__ == "__main__":  # tests/launching.py imports zygote_name
+    main()
