@@ -29,9 +29,9 @@ from typing import NoReturn
 
 import psutil
 import pytest
+from zygote_shim import zygote_name
 
 from cram.plan.launch import free_port
-from zygote_shim import zygote_name
 
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE = Path(sys.executable).with_name("accelerate")
@@ -212,8 +212,8 @@ class StartedProcess:
         self.output_reported = False  # whether a failure has shown the end of its output
         options.setdefault("stdin", subprocess.DEVNULL)  # a question on a terminal would wait for an answer
         with open(self.stdout_file, "wb") as stdout, open(self.stderr_file, "wb") as stderr:
-            self.process = subprocess.Popen([str(part) for part in command], stdout=stdout, stderr=stderr, start_new_session=True,
-                                            **options)
+            self.process = subprocess.Popen([str(part) for part in command], stdout=stdout, stderr=stderr,
+                                            start_new_session=True, **options)
         self.pid = self.process.pid
 
     @property

@@ -64,7 +64,9 @@ def storages(root: object) -> dict[int, tuple[int, torch.dtype, str]]:
             stack.extend((value, f"{path}.{key}") for key, value in vars(item).items())
             continue
         if isinstance(item, dict):
-            stack.extend((value, f"{path}[{key!r}]") for key, value in item.items())
+            # A tensor key (DeepSpeed keys some dicts by parameter) is named by its type: its repr prints its values.
+            stack.extend((value, f"{path}[{type(key).__name__ if isinstance(key, torch.Tensor) else repr(key)}]")
+                         for key, value in item.items())
             stack.extend((key, f"{path}<key>") for key in item if isinstance(key, torch.Tensor))
         elif isinstance(item, (list, tuple, set, frozenset)):
             stack.extend((value, f"{path}[{index}]") for index, value in enumerate(item))

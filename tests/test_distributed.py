@@ -244,8 +244,9 @@ def test_sigterm_to_one_zero3_rank_stops_all_and_the_run_resumes_to_the_one_proc
     config = REPO / "accel_configs" / "cpu-zero3-offload.yaml"
     command = [*accelerate_launch(config), RECIPE, *RUN, "--micro-batch-size", "8",
                "--output-dir", tmp_path, "--checkpoint-every", "1"]
-    # Fresh interpreters: the test finds a rank among the launcher's descendants (a zygote's child is not one).
-    with started(command, cwd=REPO, env=distributed_env, fresh=True) as launcher:
+    # The rank found among the launcher's descendants is, where the rank was forked by the tests' zygote, its
+    # stand-in (tests/zygote_shim.py), which passes the signal on to it.
+    with started(command, cwd=REPO, env=distributed_env) as launcher:
         first = tmp_path / "checkpoints" / "step-00000001" / STATE_FILE
         wait_until(first.exists, launcher, what="the first checkpoint")
         rank_process(launcher, 1).send_signal(signal.SIGTERM)

@@ -18,8 +18,9 @@ from cram.train.checkpoint import STATE_FILE, complete_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "cram.py"
-# A step budget makes the schedule, and so the whole loss curve, a function of the step alone.
-RUN = ["--preset", "tiny", "--max-steps", "24", "--micro-batch-size", "16", "--target-batch-size", "64",
+# A step budget makes the schedule, and so the whole loss curve, a function of the step alone. A test's batch (4
+# sequences a micro-batch, up to 16 a step) rather than the preset's: what is checked holds at any size.
+RUN = ["--preset", "tiny", "--max-steps", "24", "--micro-batch-size", "4", "--target-batch-size", "16",
        "--precision", "fp32", "--log-every", "1", "--checkpoint-every", "4", "--keep-checkpoints", "2"]
 
 
@@ -131,7 +132,7 @@ def test_a_run_killed_outright_resumes_from_its_last_complete_checkpoint(
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "change, message",
-    [(["--lr", "2e-3"], "training.lr"), (["--preset", "small", "--micro-batch-size", "16"], "training.preset")],
+    [(["--lr", "2e-3"], "training.lr"), (["--preset", "small", "--micro-batch-size", "4"], "training.preset")],
 )
 def test_resuming_a_different_run_is_refused_before_any_step(
     monkeypatch, capsys, recipe_env, stopped_by_sigterm, change, message
@@ -187,7 +188,7 @@ def test_ctrl_c_saves_a_state_and_exits_130(stopped_by_ctrl_c):
 @pytest.mark.slow
 def test_a_state_of_one_process_resumes_on_two_to_the_same_curve(tmp_path, recipe_env, uninterrupted,
                                                                   stopped_by_sigterm):
-    # Each step of the ramp, one micro-batch of 16 sequences on one process, becomes one of 8 on each of two: the
+    # Each step of the ramp, one micro-batch of 4 sequences on one process, becomes one of 2 on each of two: the
     # same sequences at every step, and the same loss, a mean over micro-batches of equal weight (the collator masks
     # the same count in every sequence), up to the order of the gradient's sums (docs/distributed.md).
     output_dir = Path(shutil.copytree(stopped_by_sigterm[0], tmp_path / "run"))
@@ -199,4 +200,4 @@ def test_a_state_of_one_process_resumes_on_two_to_the_same_curve(tmp_path, recip
     resumed = json.loads((output_dir / "summary.json").read_text())
     assert_same_curve(resumed, uninterrupted, loss=MOVED_FP32_LOSS, grad_norm=MOVED_FP32_GRAD_NORM)
     resolved = json.loads((output_dir / "final" / "cram_options.json").read_text())["resolved"]
-    assert (resolved["num_processes"], resolved["micro_batch_size"], resolved["full_accumulation"]) == (2, 8, 4)
+    assert (resolved["num_processes"], resolved["micro_batch_size"], resolved["full_accumulation"]) == (2, 2, 4)

@@ -101,7 +101,8 @@ def test_a_signal_to_the_stand_in_reaches_the_program_and_its_status_says_so(tmp
 
 def test_killing_the_stand_in_kills_the_program(tmp_path, forking_env):
     pid_file = tmp_path / "pid"
-    waiting = f"import os, pathlib, time\npathlib.Path({str(pid_file)!r}).write_text(str(os.getpid()))\ntime.sleep(600)\n"
+    waiting = (f"import os, pathlib, time\npathlib.Path({str(pid_file)!r}).write_text(str(os.getpid()))\n"
+               "time.sleep(600)\n")
     with started([sys.executable, "-c", waiting], env=forking_env) as process:
         wait_until(pid_file.exists, process, seconds=120, what="the program to start")
         program = int(pid_file.read_text())
@@ -137,3 +138,19 @@ def test_a_console_script_beside_the_interpreter_runs_through_the_zygote(forking
     completed = run([sys.executable, "-c", find], env=forking_env, check=True)
     assert completed.stdout == "usage:\n" and ACCELERATE.exists()
     assert len(fresh_starts()) == before
+
+
+def test_a_forked_program_writes_torchs_trace_where_its_own_torch_trace_says(tmp_path, forking_env):
+    # TORCH_TRACE is read once at torch's import: a forked child sets the folder itself (the compiled launches'
+    # tests count inductor's code in it), and one without TORCH_TRACE writes none.
+    compile_once = ("import torch\n"
+                    "torch.compile(lambda x: x * 2 + 1, backend='eager')(torch.ones(3))\n")
+    before = len(fresh_starts())
+    for folder in (tmp_path / "first", tmp_path / "second"):
+        run([sys.executable, "-c", compile_once], env={**forking_env, "TORCH_TRACE": str(folder)}, check=True)
+    run([sys.executable, "-c", compile_once], env=forking_env, cwd=tmp_path, check=True)
+    assert len(fresh_starts()) == before
+    for folder in (tmp_path / "first", tmp_path / "second"):
+        logs = list(folder.glob("*.log"))
+        assert len(logs) == 1 and '"dynamo_start"' in logs[0].read_text(), folder
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["first", "second"]

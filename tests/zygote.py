@@ -30,11 +30,34 @@ import traceback
 # by iterating the environment (tqdm, fsspec, networkx). The rest an import reads through os.environ, recorded below.
 PREFIXES = ("PYTHON", "LD_", "LC_", "LANG", "MALLOC", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS", "TORCH_CPP",
             "TORCH_SHOW_CPP", "TQDM_", "FSSPEC_", "NETWORKX_")
-# What the programs import before their work. Not `datasets` (pyarrow starts a jemalloc thread, which a fork loses).
+# What the programs import before their work. `datasets` imports pyarrow, whose jemalloc starts a background thread
+# as it loads (a fork would lose it): the zygote loads it with that thread off (`serve`), harmless as pyarrow's
+# allocations go to mimalloc, its default pool.
 PRELOAD = ("torch", "torch.distributed.run", "transformers", "transformers.modeling_utils",
            "transformers.models.bert.modeling_bert", "transformers.models.gpt_neox.modeling_gpt_neox",
            "accelerate", "accelerate.commands.accelerate_cli", "accelerate.commands.launch", "deepspeed", "peft",
-           "tokenizers", "tqdm.auto", "psutil", "numpy", "yaml", "safetensors.torch", "matplotlib.pyplot")
+           "tokenizers", "tqdm.auto", "psutil", "numpy", "yaml", "safetensors.torch", "matplotlib.pyplot", "datasets")
+
+
+def torch_trace_handler() -> object | None:
+    """torch's handler of TORCH_TRACE, its structured trace folder, where a child can set the folder itself: read
+    once at import (torch/_logging/_internal.py `_init_logs`) into a handler that opens its file at the first
+    record, and nothing recorded yet."""
+    try:
+        from torch._logging import _internal
+    except ImportError:
+        return None
+    handler = getattr(_internal, "LOG_TRACE_HANDLER", None)
+    return handler if hasattr(handler, "root_dir") and getattr(handler, "stream", True) is None else None
+
+
+def reread_torch_trace(value: str | None) -> None:
+    torch_trace_handler().root_dir = value
+
+
+# Variables a child applies for itself after the fork, where the zygote can (`can`), so that they do not decide
+# which zygote serves it: {name: (can, apply)}.
+REREAD = {"TORCH_TRACE": (lambda: torch_trace_handler() is not None, reread_torch_trace)}
 
 
 class RecordingEnviron(os._Environ):
@@ -54,7 +77,9 @@ class RecordingEnviron(os._Environ):
 def preload() -> set[str]:
     """Import PRELOAD with os.environ recording; return the variables read."""
     plain = os.environ
-    os.environ = RecordingEnviron(plain._data, plain.encodekey, plain.decodekey, plain.encodevalue, plain.decodevalue)
+    # The same mapping, noting reads: not a new environment, which is why B003's warning does not apply.
+    os.environ = RecordingEnviron(plain._data, plain.encodekey, plain.decodekey,  # noqa: B003
+                                  plain.encodevalue, plain.decodevalue)
     try:
         for name in PRELOAD:
             try:
@@ -62,7 +87,7 @@ def preload() -> set[str]:
             except ImportError:
                 pass  # not installed in this stack: its programs import nothing of it either
     finally:
-        os.environ = plain
+        os.environ = plain  # noqa: B003
     return RecordingEnviron.read
 
 
@@ -103,13 +128,16 @@ def serve(folder: str, name: str, watched: int) -> dict:
     import psutil
 
     signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(0))  # tests/launching.py ends it so (a child: no)
+    os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")  # read by libarrow's jemalloc as it loads
     before = dict(os.environ)
     read = preload()
     # What the imports themselves set in the environment (torch sets PYTORCH_NVML_BASED_CUDA_CHECK), which a child's
     # gets as well, and whose earlier value cannot have mattered: a program started by a child inherits it.
     changes = {name: value for name, value in os.environ.items() if before.get(name) != value}
     removed = [name for name in before if name not in os.environ]
-    read -= changes.keys() | set(removed)
+    rereads = {variable: apply for variable, (can, apply) in REREAD.items() if can()}
+    # JE_ARROW_MALLOC_CONF: this zygote's own, above; pyarrow reads it as well, but its allocator is loaded by then.
+    read -= changes.keys() | set(removed) | set(rereads) | {"JE_ARROW_MALLOC_CONF"}
     base = relevant(before, read)
     # The imports' objects never change: out of the collector's sight, a child's collections do not walk them (the
     # recipes collect at their end) nor copy their pages by touching them.
@@ -177,7 +205,7 @@ def serve(folder: str, name: str, watched: int) -> dict:
                         other.close()
                     connection.close()
                     env = {name: value for name, value in request["env"].items() if name not in removed}
-                    return {**request, "env": {**env, **changes}, "parsed": parsed, "fds": fds}
+                    return {**request, "env": {**env, **changes}, "parsed": parsed, "fds": fds, "rereads": rereads}
                 for fd in fds:
                     os.close(fd)
                 answer(connection, {"pid": pid})
@@ -234,6 +262,8 @@ def become(request: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    for variable, apply in request["rereads"].items():
+        apply(os.environ.get(variable))
     for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD, signal.SIGQUIT,
                    signal.SIGALRM):
         signal.signal(number, signal.SIG_DFL)

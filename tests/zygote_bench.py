@@ -53,7 +53,8 @@ def main() -> None:
             rows.append(f"| {name} | {fresh:.1f} | {forked:.1f} | {forked / fresh:.2f} |")
             print(rows[-1], file=sys.stderr, flush=True)
     print(f"{rounds} runs each way, medians, OMP_NUM_THREADS=1\n\n"
-          "| program | fresh interpreter, s | forked by a zygote, s | ratio |\n|---|---:|---:|---:|\n" + "\n".join(rows))
+          "| program | fresh interpreter, s | forked by a zygote, s | ratio |\n|---|---:|---:|---:|\n"
+          + "\n".join(rows))
 
 
 if __name__ == "__main__":

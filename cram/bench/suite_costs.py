@@ -21,6 +21,7 @@ import collections
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -136,10 +137,14 @@ def report(log: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", type=Path, help="also write the tables there (markdown)")
+    parser.add_argument("--keep-log", type=Path, metavar="FILE",
+                        help="also keep the raw logs: FILE (a JSON line per process: argv, test, CPU-s) and "
+                             "FILE.tests (a JSON line per test: its CPU-s and its waited-for children's)")
     parser.add_argument("pytest_args", nargs="*", help="after --: pytest's arguments (default: the whole suite)")
     args = parser.parse_args()
-    if args.output and not args.output.parent.is_dir():
-        raise UserError(f"--output {args.output}: its folder does not exist: create it first")
+    for option, path in (("--output", args.output), ("--keep-log", args.keep_log)):
+        if path and not path.parent.is_dir():
+            raise UserError(f"{option} {path}: its folder does not exist: create it first")
     site_packages = Path(sysconfig.get_paths()["purelib"])
     hook, pth = site_packages / f"{HOOK_MODULE}.py", site_packages / f"{HOOK_MODULE}.pth"
     with tempfile.TemporaryDirectory(prefix="cram-suite-costs-") as folder:
@@ -165,6 +170,10 @@ def main() -> None:
             hook.unlink(missing_ok=True)
             pth.unlink(missing_ok=True)
         tables = report(log)
+        if args.keep_log:
+            for kept, raw in ((args.keep_log, log), (Path(f"{args.keep_log}.tests"), Path(f"{log}.tests"))):
+                if raw.exists():
+                    shutil.copyfile(raw, kept)
     print(tables)
     if args.output:
         args.output.write_text(tables + "\n")

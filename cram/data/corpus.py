@@ -8,6 +8,7 @@ because parsing stops once the corpus reaches `TARGET_CHARS`.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import json
 import os
@@ -48,10 +49,17 @@ def _environment_key() -> str:
     """Identify the Python installation and package versions the corpus is extracted from."""
     # Only the installed packages the corpus reads: `sys.path` also holds the working directory (an egg-info
     # there) and launcher paths, which would give the same corpus another key under torchrun or another cwd.
-    installed = metadata.distributions(path=sorted(_package_dirs()))
-    packages = sorted({f"{dist.metadata['Name']}=={dist.version}" for dist in installed})
-    identity = json.dumps([BUILDER_VERSION, TARGET_CHARS, _stdlib_dir(), sorted(_package_dirs()), packages])
+    package_dirs = sorted(_package_dirs())
+    identity = json.dumps([BUILDER_VERSION, TARGET_CHARS, _stdlib_dir(), package_dirs, _installed(*package_dirs)])
     return hashlib.sha256(identity.encode()).hexdigest()[:16]
+
+
+@functools.cache
+def _installed(*package_dirs: str) -> list[str]:
+    """The metadata folders of the distributions installed in `package_dirs` (NAME-VERSION.dist-info): name and
+    version without parsing each METADATA file as importlib.metadata does (half a second each time, here)."""
+    return sorted(entry.name for folder in package_dirs if os.path.isdir(folder) for entry in os.scandir(folder)
+                  if entry.name.endswith((".dist-info", ".egg-info")))
 
 
 # Real paths: a virtualenv reached through a symlink is the same installation, and a recipe launched through
