@@ -31,7 +31,6 @@ from launching import (
     PREPARATION_SECONDS,
     SLOWED_PREPARATION,
     TWO_PROCESS_LAUNCHES,
-    StartedProcess,
     accelerate_launch,
     generated_code_per_process,
     run,
@@ -198,13 +197,17 @@ def test_each_optimizer_step_takes_one_blocking_collective_on_the_training_devic
         assert (after_the_last["default"], after_the_last["other"]) == (1, 1)  # the reading that ends the run, the row
 
 
-def rank_process(launcher: StartedProcess, rank: int) -> psutil.Process:
-    """The training process of `rank` among the launcher's descendants."""
-    for child in psutil.Process(launcher.pid).children(recursive=True):
+def rank_process(port: int, rank: int) -> psutil.Process:
+    """The training process of `rank` in the launch whose main process listens on `port`: found by the environment
+    torchrun gave it (RANK, MASTER_PORT). Where the tests' zygote forked the rank, this is its stand-in
+    (tests/zygote_shim.py), which passes signals on to it; the launcher's descendants would not hold it either way
+    when the launcher itself was forked."""
+    for process in psutil.process_iter():
         with contextlib.suppress(psutil.Error):
-            if child.environ().get("RANK") == str(rank):
-                return child
-    raise AssertionError(f"no process of rank {rank} under the launcher")
+            environment = process.environ()
+            if environment.get("RANK") == str(rank) and environment.get("MASTER_PORT") == str(port):
+                return process
+    raise AssertionError(f"no process of rank {rank} in the launch on port {port}")
 
 
 def deepspeed_launch(ds_config: dict, num_processes: int = 2) -> SimpleNamespace:
@@ -244,12 +247,11 @@ def test_sigterm_to_one_zero3_rank_stops_all_and_the_run_resumes_to_the_one_proc
     config = REPO / "accel_configs" / "cpu-zero3-offload.yaml"
     command = [*accelerate_launch(config), RECIPE, *RUN, "--micro-batch-size", "8",
                "--output-dir", tmp_path, "--checkpoint-every", "1"]
-    # The rank found among the launcher's descendants is, where the rank was forked by the tests' zygote, its
-    # stand-in (tests/zygote_shim.py), which passes the signal on to it.
+    port = int(command[command.index("--main_process_port") + 1])
     with started(command, cwd=REPO, env=distributed_env) as launcher:
         first = tmp_path / "checkpoints" / "step-00000001" / STATE_FILE
         wait_until(first.exists, launcher, what="the first checkpoint")
-        rank_process(launcher, 1).send_signal(signal.SIGTERM)
+        rank_process(port, 1).send_signal(signal.SIGTERM)
         stopped = launcher.finished()
     stderr = stopped.stderr
     assert stopped.returncode != 0

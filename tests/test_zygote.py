@@ -154,3 +154,23 @@ def test_a_forked_program_writes_torchs_trace_where_its_own_torch_trace_says(tmp
         logs = list(folder.glob("*.log"))
         assert len(logs) == 1 and '"dynamo_start"' in logs[0].read_text(), folder
     assert sorted(path.name for path in tmp_path.iterdir()) == ["first", "second"]
+
+
+def test_a_program_with_its_own_pythonpath_forks_unless_it_shadows_a_preloaded_module(tmp_path, forking_env):
+    # Accelerate's DeepSpeed launch adds its working folder to each rank's PYTHONPATH: the child puts it on its
+    # import path as the interpreter would; a folder holding a module the zygote imported (yaml here) runs fresh.
+    (tmp_path / "extra").mkdir()
+    (tmp_path / "extra" / "extra_module.py").write_text("WHERE = 'extra'\n")
+    (tmp_path / "shadowing").mkdir()
+    (tmp_path / "shadowing" / "yaml.py").write_text("SHADOW = True\n")
+    show = ("import sys, extra_module\n"
+            "print(sys.path.index({!r}), extra_module.WHERE, hasattr(__import__('yaml'), 'SHADOW'))")
+    before = len(fresh_starts())
+    forked = run([sys.executable, "-c", show.format(str(tmp_path / "extra"))], check=True,
+                 env={**forking_env, "PYTHONPATH": str(tmp_path / "extra")})
+    assert forked.stdout == "1 extra False\n" and len(fresh_starts()) == before
+    shadowing = os.pathsep.join([str(tmp_path / "extra"), str(tmp_path / "shadowing")])
+    fresh = run([sys.executable, "-c", show.format(str(tmp_path / "extra"))], check=True,
+                env={**forking_env, "PYTHONPATH": shadowing})
+    assert fresh.stdout == "1 extra True\n"
+    assert "PYTHONPATH shadows yaml" in fresh_starts()[-1]["why"]

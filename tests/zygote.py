@@ -58,6 +58,10 @@ def reread_torch_trace(value: str | None) -> None:
 # Variables a child applies for itself after the fork, where the zygote can (`can`), so that they do not decide
 # which zygote serves it: {name: (can, apply)}.
 REREAD = {"TORCH_TRACE": (lambda: torch_trace_handler() is not None, reread_torch_trace)}
+# Variables a child applies itself that the interpreter reads at start: PYTHONPATH (Accelerate's DeepSpeed launch
+# adds its working folder to it for each rank). A child whose new folders hold a module of a name the zygote
+# imported is refused (a fresh interpreter would have imported the other).
+APPLIED = {"PYTHONPATH"}
 
 
 class RecordingEnviron(os._Environ):
@@ -92,9 +96,30 @@ def preload() -> set[str]:
 
 
 def relevant(environment: dict[str, str], read: set[str]) -> dict[str, str]:
-    """The part of `environment` that decides what the preloaded imports did."""
-    return {name: value for name, value in environment.items() if name in read or name.startswith(PREFIXES)} | {
-        name: "\0unset" for name in read if name not in environment}
+    """The part of `environment` that decides what the preloaded imports did (not what a child applies itself)."""
+    return {name: value for name, value in environment.items()
+            if (name in read or name.startswith(PREFIXES)) and name not in APPLIED} | {
+        name: "\0unset" for name in read if name not in environment and name not in APPLIED}
+
+
+def path_entries(value: str | None, cwd: str) -> list[str]:
+    """PYTHONPATH's folders as the interpreter puts them on sys.path, after the script's folder: absolute."""
+    return [os.path.normpath(os.path.join(cwd, entry)) for entry in (value or "").split(os.pathsep) if entry]
+
+
+def shadowed(entries: list[str]) -> list[str]:
+    """The modules this zygote imported that `entries` hold a module of the same name of: a fresh interpreter with
+    them on its path would have imported those instead (PYTHONPATH comes before site-packages)."""
+    imported = {name for name in sys.modules if "." not in name}
+    found = []
+    for entry in entries:
+        try:
+            names = os.listdir(entry)
+        except OSError:
+            continue
+        found += sorted(imported & {name.split(".")[0] for name in names if name.isidentifier()
+                                    or name.endswith((".py", ".so", ".pyc"))})
+    return found
 
 
 def parse(arguments: list[str]) -> tuple[str, str, list[str], bool] | None:
@@ -129,7 +154,7 @@ def serve(folder: str, name: str, watched: int) -> dict:
 
     signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(0))  # tests/launching.py ends it so (a child: no)
     os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")  # read by libarrow's jemalloc as it loads
-    before = dict(os.environ)
+    before, start_cwd = dict(os.environ), os.getcwd()
     read = preload()
     # What the imports themselves set in the environment (torch sets PYTORCH_NVML_BASED_CUDA_CHECK), which a child's
     # gets as well, and whose earlier value cannot have mattered: a program started by a child inherits it.
@@ -151,7 +176,7 @@ def serve(folder: str, name: str, watched: int) -> dict:
     os.replace(path + ".new", path)
     ready = os.path.join(folder, f"{name}.ready")
     with open(ready + ".new", "w") as file:  # whole or absent: tests/launching.py and the shim poll for it
-        json.dump({"read": sorted(read), "prefixes": PREFIXES, "pid": os.getpid()}, file)
+        json.dump({"read": sorted(read), "prefixes": PREFIXES, "applied": sorted(APPLIED), "pid": os.getpid()}, file)
     os.replace(ready + ".new", ready)
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
@@ -191,6 +216,10 @@ def serve(folder: str, name: str, watched: int) -> dict:
                 wanted = relevant(request["env"], read)
                 mismatch = sorted(variable for variable in wanted.keys() | base.keys()
                                   if wanted.get(variable, "\0unset") != base.get(variable, "\0unset"))
+                own_path = path_entries(before.get("PYTHONPATH"), start_cwd)
+                new_path = path_entries(request["env"].get("PYTHONPATH"), request["cwd"])
+                if clash := shadowed([entry for entry in new_path if entry not in own_path]):
+                    mismatch.append(f"PYTHONPATH shadows {', '.join(clash[:3])}")
                 if parsed is None or mismatch or len(fds) != 3:
                     for fd in fds:
                         os.close(fd)
@@ -205,7 +234,8 @@ def serve(folder: str, name: str, watched: int) -> dict:
                         other.close()
                     connection.close()
                     env = {name: value for name, value in request["env"].items() if name not in removed}
-                    return {**request, "env": {**env, **changes}, "parsed": parsed, "fds": fds, "rereads": rereads}
+                    return {**request, "env": {**env, **changes}, "parsed": parsed, "fds": fds, "rereads": rereads,
+                            "path": (own_path, new_path)}
                 for fd in fds:
                     os.close(fd)
                 answer(connection, {"pid": pid})
@@ -264,6 +294,12 @@ def become(request: dict) -> None:
     os.environ.update(request["env"])
     for variable, apply in request["rereads"].items():
         apply(os.environ.get(variable))
+    own_path, new_path = request["path"]
+    rest = sys.path[1:]
+    for entry in own_path:
+        if entry in rest:
+            rest.remove(entry)
+    sys.path[1:] = [*new_path, *rest]
     for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD, signal.SIGQUIT,
                    signal.SIGALRM):
         signal.signal(number, signal.SIG_DFL)

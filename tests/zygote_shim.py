@@ -28,27 +28,36 @@ def fresh(why: str) -> None:
 def zygote_name(env: dict[str, str], known: dict) -> str:
     """The name of the zygote for `env`: a digest of the variables that decided what its imports did (`known`: what
     the first zygote read, and the prefixes it counts whole). tests/launching.py names the zygotes it starts so."""
-    read, prefixes = set(known["read"]), tuple(known["prefixes"])
-    part = {name: value for name, value in env.items() if name in read or name.startswith(prefixes)}
+    read, prefixes, applied = set(known["read"]), tuple(known["prefixes"]), set(known.get("applied", ()))
+    part = {name: value for name, value in env.items()
+            if (name in read or name.startswith(prefixes)) and name not in applied}
     return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def zygote_socket() -> str | None:
-    """The socket of the zygote started under this environment's relevant part, if one is ready."""
+def zygote_socket() -> tuple[str | None, str]:
+    """The socket of the zygote started under this environment's relevant part, if one is ready; and if none, the
+    variables in which this environment differs from the first zygote's (for the log)."""
     try:
         with open(os.path.join(FOLDER, "relevant.json")) as file:
             known = json.load(file)
     except (OSError, ValueError):
-        return None
+        return None, "no zygote ready yet"
     name = zygote_name(dict(os.environ), known)
     path = os.path.join(FOLDER, f"{name}.sock")
-    return path if os.path.exists(os.path.join(FOLDER, f"{name}.ready")) else None
+    if os.path.exists(os.path.join(FOLDER, f"{name}.ready")):
+        return path, ""
+    read, prefixes, first = set(known["read"]), tuple(known["prefixes"]), known.get("first", {})
+    applied = set(known.get("applied", ()))
+    mine = {variable: value for variable, value in os.environ.items()
+            if (variable in read or variable.startswith(prefixes)) and variable not in applied}
+    differing = sorted(variable for variable in mine.keys() | first.keys() if mine.get(variable) != first.get(variable))
+    return None, f"no zygote for this environment (it differs from the first in {', '.join(differing[:6])})"
 
 
 def main() -> None:
-    path = zygote_socket()
+    path, why = zygote_socket()
     if path is None:
-        fresh("no zygote for this environment")
+        fresh(why)
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         connection.connect(path)
