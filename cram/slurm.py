@@ -247,10 +247,11 @@ srun --nodes={layout.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 \\
 SRUN=$!
 # The time limit's notice reaches this shell alone (--signal=B:...). Pass SIGTERM to the training processes, not to
 # srun, which answers a SIGTERM by killing its tasks: `scancel --signal` without --full signals the job's steps only.
-# In the background: where the job is ending already (`scontrol requeue` signals this shell too), scancel is told
-# "Job can not be altered now" and retries for a minute, which would hold the job's end and requeue as long.
+# At most 5 s: where the job is ending already (`scontrol requeue` signals this shell too), scancel is told "Job can
+# not be altered now" and retries for a minute, which would hold the job's end and its requeue as long. Never in the
+# background: a scancel still retrying when the job comes back would stop its next start.
 trap 'echo "job $SLURM_JOB_ID: SIGTERM, passed to the training processes"
-      scancel --signal=TERM "$SLURM_JOB_ID" &' TERM
+      timeout 5 scancel --signal=TERM "$SLURM_JOB_ID"' TERM
 until wait "$SRUN"; ! kill -0 "$SRUN" 2>/dev/null; do :; done
 wait "$SRUN"
 STATUS=$?
