@@ -24,7 +24,7 @@ def write_training_curves(history: list[dict], path: str | Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     path = Path(path)
-    # Fixed margins rather than tight_layout, which draws the whole figure once more to measure it (a second).
+    # Fixed margins rather than tight_layout, which draws the whole figure once more to measure it.
     margins = dict(left=0.09, right=0.98, top=0.98, bottom=0.05, hspace=0.3, wspace=0.25)
     figure, axes = plt.subplots(len(CURVES), len(AXES), figsize=(10, 11), squeeze=False, gridspec_kw=margins)
     for row, (key, label) in enumerate(CURVES):
