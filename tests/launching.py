@@ -29,7 +29,7 @@ from typing import NoReturn
 
 import psutil
 import pytest
-from zygote_shim import zygote_name
+from zygote_shim import relevant_part, zygote_name
 
 from cram.plan.launch import free_port
 
@@ -118,10 +118,7 @@ class Zygotes:
                 return None
             self.relevant = json.loads(ready.read_text())
             # With the first environment's relevant part, from which the shim names what an unserved one differs in.
-            read, prefixes = set(self.relevant["read"]), tuple(self.relevant["prefixes"])
-            applied = set(self.relevant.get("applied", ()))
-            self.relevant["first"] = {name: value for name, value in self.environments["first"].items()
-                                      if (name in read or name.startswith(prefixes)) and name not in applied}
+            self.relevant["first"] = relevant_part(self.environments["first"], self.relevant)
             (self.folder / "relevant.json.new").write_text(json.dumps(self.relevant))
             os.replace(self.folder / "relevant.json.new", self.folder / "relevant.json")
             first = self.name(self.environments["first"])

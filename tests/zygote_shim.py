@@ -25,13 +25,18 @@ def fresh(why: str) -> None:
     os.execv(PYTHON, [PYTHON, *sys.argv[1:]])
 
 
-def zygote_name(env: dict[str, str], known: dict) -> str:
-    """The name of the zygote for `env`: a digest of the variables that decided what its imports did (`known`: what
-    the first zygote read, and the prefixes it counts whole). tests/launching.py names the zygotes it starts so."""
+def relevant_part(env: dict[str, str], known: dict) -> dict[str, str]:
+    """The variables of `env` that decided what a zygote's imports did (`known`: what the first zygote read, the
+    prefixes it counts whole, and those a child applies itself)."""
     read, prefixes, applied = set(known["read"]), tuple(known["prefixes"]), set(known.get("applied", ()))
-    part = {name: value for name, value in env.items()
+    return {name: value for name, value in env.items()
             if (name in read or name.startswith(prefixes)) and name not in applied}
-    return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def zygote_name(env: dict[str, str], known: dict) -> str:
+    """The name of the zygote for `env`: a digest of its relevant part. tests/launching.py names the zygotes it
+    starts so."""
+    return hashlib.sha256(json.dumps(relevant_part(env, known), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def zygote_socket() -> tuple[str | None, str]:
@@ -46,10 +51,7 @@ def zygote_socket() -> tuple[str | None, str]:
     path = os.path.join(FOLDER, f"{name}.sock")
     if os.path.exists(os.path.join(FOLDER, f"{name}.ready")):
         return path, ""
-    read, prefixes, first = set(known["read"]), tuple(known["prefixes"]), known.get("first", {})
-    applied = set(known.get("applied", ()))
-    mine = {variable: value for variable, value in os.environ.items()
-            if (variable in read or variable.startswith(prefixes)) and variable not in applied}
+    first, mine = known.get("first", {}), relevant_part(dict(os.environ), known)
     differing = sorted(variable for variable in mine.keys() | first.keys() if mine.get(variable) != first.get(variable))
     return None, f"no zygote for this environment (it differs from the first in {', '.join(differing[:6])})"
 
