@@ -29,7 +29,7 @@ from typing import NoReturn
 
 import psutil
 import pytest
-from zygote_shim import relevant_part, zygote_name
+from zygote_shim import is_launcher, relevant_part, zygote_name
 
 from cram.plan.launch import free_port
 
@@ -148,15 +148,19 @@ class Zygotes:
         if os.statvfs(shim.parent).f_flag & os.ST_NOEXEC:  # a temporary folder mounted noexec cannot run it
             return command
         env = dict(os.environ if env is None else env)
+        # A zygote started here is waited for rather than this program started fresh: a fresh program starts its
+        # own programs fresh too (a launch's ranks, the planner's candidate launches), a whole tree of imports.
         if not self.started:
-            self.start("first", env)
+            self.ready_for(env)
         else:
             name = self.name(env)
-            if name is not None and name not in self.started:
+            launcher = is_launcher([str(argument) for argument in arguments])
+            if name is not None and name not in self.started and not (
+                    launcher and any(started.split("-")[0] == name.split("-")[0] for started in self.started)):
                 self.seen[name] = self.seen.get(name, 0) + 1
                 alive = sum(process.poll() is None for process in self.started.values())
                 if self.seen[name] >= 2 and alive < self.MOST:
-                    self.start(name, env)
+                    self.ready_for(env)
         return [shim, *arguments]
 
     def ready_for(self, env: dict[str, str], seconds: float = 300) -> None:

@@ -174,3 +174,21 @@ def test_a_program_with_its_own_pythonpath_forks_unless_it_shadows_a_preloaded_m
                 env={**forking_env, "PYTHONPATH": shadowing})
     assert fresh.stdout == "1 extra True\n"
     assert "PYTHONPATH shadows yaml" in fresh_starts()[-1]["why"]
+
+
+def test_a_launcher_is_forked_whatever_its_thread_variables_and_a_program_is_not(tmp_path, forking_env):
+    # The planner's candidate launches have no OMP_NUM_THREADS (cram/plan/launch.py drops a launcher's variables),
+    # which the zygote's imports read. A launcher does no work under it, so this zygote serves it; a program's
+    # torch would take another thread count from it, so the program runs fresh.
+    assert forking_env.get("OMP_NUM_THREADS") == "1"  # the premise (tests/conftest.py)
+    env = {name: value for name, value in forking_env.items() if name != "OMP_NUM_THREADS"}
+    script = tmp_path / "threads.py"
+    script.write_text("import torch\nprint('threads', torch.get_num_threads())\n")
+    before = len(fresh_starts())
+    launched = run([ACCELERATE, "launch", "--num_processes", "1", "--cpu", script], env=env, check=True)
+    assert "threads " in launched.stdout
+    started_fresh = [Path(entry["argv"][0]).name for entry in fresh_starts()[before:]]
+    assert "accelerate" not in started_fresh, started_fresh
+    direct = run([sys.executable, script], env=env, check=True)
+    assert fresh_starts()[-1]["argv"][0] == str(script) and "OMP_NUM_THREADS" in fresh_starts()[-1]["why"]
+    assert direct.stdout == run([sys.executable, script], env=env, check=True, fresh=True).stdout

@@ -68,14 +68,30 @@ class RecordingEnviron(os._Environ):
     """os.environ, noting each variable read."""
 
     read: set[str] = set()
+    copying: list[str] = []  # the keys a whole copy is about to read, last first
 
     def __getitem__(self, key):
-        RecordingEnviron.read.add(key)
+        if RecordingEnviron.copying and RecordingEnviron.copying[-1] == key:
+            RecordingEnviron.copying.pop()
+        else:
+            RecordingEnviron.copying = []
+            RecordingEnviron.read.add(key)
         return super().__getitem__(key)
+
+    def keys(self):
+        """A whole copy (`dict(os.environ)`, `.copy()`) reads every variable in this order, noting none: the imports
+        that copy (fsspec) look for PREFIXES. Any other read ends the copy."""
+        keys = list(super().keys())
+        RecordingEnviron.copying = keys[::-1]
+        return keys
 
     def __contains__(self, key):
         RecordingEnviron.read.add(key)
         return super().__contains__(key)
+
+    def items(self):
+        """Every variable, none noted: the imports that iterate (tqdm, fsspec, networkx) look for PREFIXES."""
+        return {self.decodekey(key): self.decodevalue(value) for key, value in self._data.items()}.items()
 
 
 def preload() -> set[str]:
@@ -151,6 +167,7 @@ def serve(folder: str, name: str, watched: int) -> dict:
     import time
 
     import psutil
+    from zygote_shim import THREADS, is_launcher
 
     signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(0))  # tests/launching.py ends it so (a child: no)
     os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")  # read by libarrow's jemalloc as it loads
@@ -214,8 +231,10 @@ def serve(folder: str, name: str, watched: int) -> dict:
                 request = json.loads(message)
                 parsed = parse(request["argv"])
                 wanted = relevant(request["env"], read)
+                indifferent = THREADS if is_launcher(request["argv"]) else ()
                 mismatch = sorted(variable for variable in wanted.keys() | base.keys()
-                                  if wanted.get(variable, "\0unset") != base.get(variable, "\0unset"))
+                                  if wanted.get(variable, "\0unset") != base.get(variable, "\0unset")
+                                  and variable not in indifferent)
                 own_path = path_entries(before.get("PYTHONPATH"), start_cwd)
                 new_path = path_entries(request["env"].get("PYTHONPATH"), request["cwd"])
                 if clash := shadowed([entry for entry in new_path if entry not in own_path]):

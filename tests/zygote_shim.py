@@ -33,10 +33,29 @@ def relevant_part(env: dict[str, str], known: dict) -> dict[str, str]:
             if (name in read or name.startswith(prefixes)) and name not in applied}
 
 
+# What a launcher (`accelerate launch`, torchrun) does no work under: it starts the program's processes with its
+# environment, so any zygote whose other variables agree serves it. The planner's candidate launches, for one, have
+# no OMP_NUM_THREADS (a launcher's variable, cram/plan/launch.py), which every zygote's imports read.
+THREADS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def is_launcher(arguments: list[str]) -> bool:
+    """Whether `python ARGUMENTS` runs a launcher: `accelerate launch` or torchrun, as a console script or `-m`."""
+    program = os.path.basename(arguments[0]) if arguments else ""
+    return (program == "torchrun" or (program == "accelerate" and arguments[1:2] == ["launch"])
+            or arguments[:2] in (["-m", "torch.distributed.run"], ["-m", "accelerate.commands.launch"]))
+
+
+def digest(part: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()
+
+
 def zygote_name(env: dict[str, str], known: dict) -> str:
-    """The name of the zygote for `env`: a digest of its relevant part. tests/launching.py names the zygotes it
-    starts so."""
-    return hashlib.sha256(json.dumps(relevant_part(env, known), sort_keys=True).encode()).hexdigest()[:16]
+    """The name of the zygote for `env`: a digest of its relevant part, the thread variables apart (a launcher
+    takes any zygote of the same first half). tests/launching.py names the zygotes it starts so."""
+    part = relevant_part(env, known)
+    threads = {name: part.pop(name) for name in THREADS if name in part}
+    return f"{digest(part)[:16]}-{digest(threads)[:4]}"
 
 
 def zygote_socket() -> tuple[str | None, str]:
@@ -48,9 +67,13 @@ def zygote_socket() -> tuple[str | None, str]:
     except (OSError, ValueError):
         return None, "no zygote ready yet"
     name = zygote_name(dict(os.environ), known)
-    path = os.path.join(FOLDER, f"{name}.sock")
     if os.path.exists(os.path.join(FOLDER, f"{name}.ready")):
-        return path, ""
+        return os.path.join(FOLDER, f"{name}.sock"), ""
+    if is_launcher(sys.argv[1:]):
+        prefix = name.split("-")[0] + "-"
+        for ready in sorted(os.listdir(FOLDER)):
+            if ready.startswith(prefix) and ready.endswith(".ready"):
+                return os.path.join(FOLDER, ready.removesuffix(".ready") + ".sock"), ""
     first, mine = known.get("first", {}), relevant_part(dict(os.environ), known)
     differing = sorted(variable for variable in mine.keys() | first.keys() if mine.get(variable) != first.get(variable))
     return None, f"no zygote for this environment (it differs from the first in {', '.join(differing[:6])})"
