@@ -192,3 +192,13 @@ def test_a_launcher_is_forked_whatever_its_thread_variables_and_a_program_is_not
     direct = run([sys.executable, script], env=env, check=True)
     assert fresh_starts()[-1]["argv"][0] == str(script) and "OMP_NUM_THREADS" in fresh_starts()[-1]["why"]
     assert direct.stdout == run([sys.executable, script], env=env, check=True, fresh=True).stdout
+
+
+def test_a_variable_the_imports_only_copied_does_not_decide_the_zygote(forking_env):
+    # tqdm iterates the environment and fsspec copies it at import, looking for their prefixes: that reads no
+    # variable. A session fixture's environment, captured in another test, differs in PYTEST_CURRENT_TEST.
+    assert "PYTEST_CURRENT_TEST" in forking_env  # the premise: the zygote started under one
+    before = len(fresh_starts())
+    env = {**forking_env, "PYTEST_CURRENT_TEST": "tests/another.py::test (call)"}
+    completed = run([sys.executable, "-c", "import sys; print('torch' in sys.modules)"], env=env, check=True)
+    assert completed.stdout == "True\n" and len(fresh_starts()) == before

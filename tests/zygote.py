@@ -81,8 +81,8 @@ class RecordingEnviron(os._Environ):
     def keys(self):
         """A whole copy (`dict(os.environ)`, `.copy()`) reads every variable in this order, noting none: the imports
         that copy (fsspec) look for PREFIXES. Any other read ends the copy."""
-        keys = list(super().keys())
-        RecordingEnviron.copying = keys[::-1]
+        keys = dict.fromkeys(super().keys()).keys()  # a view, as os.environ's: set operations work on it
+        RecordingEnviron.copying = list(keys)[::-1]
         return keys
 
     def __contains__(self, key):
