@@ -121,6 +121,18 @@ def recipe_env(cram_cache: Path) -> dict[str, str]:
     return {**os.environ, "CRAM_CACHE": str(cram_cache), "TOKENIZERS_PARALLELISM": "false"}
 
 
+@pytest.fixture
+def forked_candidates(monkeypatch) -> None:
+    """The candidate launches the planner starts from the test's own process go through the tests' zygote, as those
+    of a planner started by `launching.run` do: the launcher and its ranks forked with their imports done. (The
+    tests of how the planner ends a launch's process tree start it fresh: the zygote ends a killed stand-in's
+    program itself.)"""
+    import cram.plan.launch
+
+    monkeypatch.setattr(cram.plan.launch, "accelerate_program",
+                        lambda: launching.ZYGOTES.console_script("accelerate", dict(os.environ)))
+
+
 @pytest.fixture(scope="session")
 def distributed_cache(tmp_path_factory, cram_cache) -> Path:
     """The data cache of the 2-process runs and their reference: only the corpus's text at first, so the

@@ -132,7 +132,10 @@ def test_killed_run_leaves_nothing_usable_and_the_next_run_recovers(tmp_path, em
         # fast or slow the machine, the kill then lands mid-preparation.
         wait_until(lambda: list(tmp_path.glob(".out.tmp-*/work/documents.arrow")), process, interval=0.01,
                    what="preparation writing its documents")
-        os.kill(process.pid, signal.SIGKILL)
+        # The preparing process, by the pid its folder is named with: the program itself, where the tests' zygote
+        # forked it (tests/zygote.py), not the stand-in `process` is.
+        (temporary,) = tmp_path.glob(".out.tmp-*")
+        os.kill(int(temporary.name.removeprefix(".out.tmp-").split("-")[0]), signal.SIGKILL)
         assert process.finished().returncode == -signal.SIGKILL
     assert list(tmp_path.glob(".out.tmp-*")), "the killed run left no temporary folder to check"
     assert not output.exists() and not is_prepared(output)

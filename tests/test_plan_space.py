@@ -205,7 +205,7 @@ def test_candidates_that_cannot_run_are_rows_with_reasons_not_crashes(tmp_path):
     assert rows[2]["source"] == "rules" and "8-bit" in rows[2]["reason"]
 
 
-def test_a_launch_that_fails_is_a_failed_row_with_its_last_error_not_out_of_memory(tmp_path):
+def test_a_launch_that_fails_is_a_failed_row_with_its_last_error_not_out_of_memory(tmp_path, forked_candidates):
     broken = tmp_path / "broken.yaml"
     broken.write_text("distributed_type: NOT_A_TYPE\nnum_processes: 1\n")
     request = {"result": str(tmp_path / "result.json")}

@@ -287,7 +287,7 @@ def test_fsdp_with_eight_bit_adam_is_ruled_out():
 
 @pytest.mark.slow
 def test_one_rank_out_of_memory_means_that_size_does_not_fit_and_the_sizes_that_fit_are_kept(
-        tmp_path, monkeypatch, recipe_env):
+        tmp_path, monkeypatch, recipe_env, forked_candidates):
     # Two CPU processes with DDP; process 1 alone fails at micro-batch 8 while process 0 enters DDP's all-reduce.
     # Without the parent driving the search, this hangs until the collective timeout (10 minutes), past the
     # candidate timeout given here, and the whole candidate would be recorded as infeasible.
@@ -342,7 +342,7 @@ def no_process_of(marker: str) -> bool:
 @pytest.mark.parametrize("fault, where", [("probe", "while probing micro-batch 8"),
                                           ("timing", "while timing micro-batch 8")])
 def test_a_rank_failing_with_another_error_ends_its_candidate_with_that_error_in_one_launch(
-        tmp_path, monkeypatch, recipe_env, fault, where):
+        tmp_path, monkeypatch, recipe_env, fault, where, forked_candidates):
     # Two CPU processes with DDP; process 1 alone fails with an NCCL-like error while process 0 goes on into DDP's
     # all-reduce. Read as "does not fit", the probe case would search on at smaller sizes and report the candidate
     # as not fitting; with process 0 left waiting, the timing case would end at the candidate timeout (given here

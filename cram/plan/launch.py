@@ -117,6 +117,11 @@ def rank_failures(result_file: Path) -> list[dict]:
     return sorted(failures, key=lambda failure: failure["at"])
 
 
+def accelerate_program() -> Path:
+    """`accelerate` as this interpreter's environment installed it: beside the interpreter."""
+    return Path(sys.executable).with_name("accelerate")
+
+
 def launch_probe(accelerate_file: Path, request: dict, request_file: Path, timeout: float,
                  module: str = "cram.plan.probe") -> dict:
     """Run one probe launch: its result; or, for a launch that wrote none, why: `status` "infeasible" with
@@ -124,8 +129,7 @@ def launch_probe(accelerate_file: Path, request: dict, request_file: Path, timeo
     killer kills), else "error" with that process's own error (not another's collateral one)."""
     result_file = Path(request["result"])
     write_atomically(request_file, json.dumps(request, indent=2) + "\n")
-    accelerate = Path(sys.executable).with_name("accelerate")
-    command = [str(accelerate), "launch", "-q", "--config_file", str(accelerate_file),
+    command = [str(accelerate_program()), "launch", "-q", "--config_file", str(accelerate_file),
                "--main_process_port", str(free_port()), "-m", module, str(request_file)]
     log_file = result_file.with_suffix(".log")
     returncode = run_launch(command, log_file, timeout, failed=lambda: bool(rank_failures(result_file)))
