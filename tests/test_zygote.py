@@ -202,3 +202,13 @@ def test_a_variable_the_imports_only_copied_does_not_decide_the_zygote(forking_e
     env = {**forking_env, "PYTEST_CURRENT_TEST": "tests/another.py::test (call)"}
     completed = run([sys.executable, "-c", "import sys; print('torch' in sys.modules)"], env=env, check=True)
     assert completed.stdout == "True\n" and len(fresh_starts()) == before
+
+
+def test_intel_openmp_variables_decide_nothing_where_no_intel_openmp_is_loaded(forking_env):
+    # Accelerate's CPU launch sets KMP_AFFINITY and KMP_BLOCKTIME for its ranks; only libiomp reads them, as it
+    # loads, and torch's wheels load GNU's libgomp.
+    assert "libiomp" not in Path("/proc/self/maps").read_text()  # the premise, in this process as in the zygote
+    before = len(fresh_starts())
+    env = {**forking_env, "KMP_AFFINITY": "granularity=fine,compact,1,0", "KMP_BLOCKTIME": "1"}
+    completed = run([sys.executable, "-c", "import sys; print('torch' in sys.modules)"], env=env, check=True)
+    assert completed.stdout == "True\n" and len(fresh_starts()) == before

@@ -111,10 +111,18 @@ def preload() -> set[str]:
     return RecordingEnviron.read
 
 
-def relevant(environment: dict[str, str], read: set[str]) -> dict[str, str]:
+def loaded_prefixes() -> tuple[str, ...]:
+    """PREFIXES, less KMP_ where no Intel OpenMP runtime is loaded (torch's wheels load GNU's): Accelerate's CPU
+    launch sets KMP_AFFINITY and KMP_BLOCKTIME for its ranks, which only libiomp reads, as it loads."""
+    with open("/proc/self/maps") as maps:
+        intel = "libiomp" in maps.read()
+    return PREFIXES if intel else tuple(prefix for prefix in PREFIXES if prefix != "KMP_")
+
+
+def relevant(environment: dict[str, str], read: set[str], prefixes: tuple[str, ...] = PREFIXES) -> dict[str, str]:
     """The part of `environment` that decides what the preloaded imports did (not what a child applies itself)."""
     return {name: value for name, value in environment.items()
-            if (name in read or name.startswith(PREFIXES)) and name not in APPLIED} | {
+            if (name in read or name.startswith(prefixes)) and name not in APPLIED} | {
         name: "\0unset" for name in read if name not in environment and name not in APPLIED}
 
 
@@ -180,7 +188,8 @@ def serve(folder: str, name: str, watched: int) -> dict:
     rereads = {variable: apply for variable, (can, apply) in REREAD.items() if can()}
     # JE_ARROW_MALLOC_CONF: this zygote's own, above; pyarrow reads it as well, but its allocator is loaded by then.
     read -= changes.keys() | set(removed) | set(rereads) | {"JE_ARROW_MALLOC_CONF"}
-    base = relevant(before, read)
+    prefixes = loaded_prefixes()
+    base = relevant(before, read, prefixes)
     # The imports' objects never change: out of the collector's sight, a child's collections do not walk them (the
     # recipes collect at their end) nor copy their pages by touching them.
     import gc
@@ -193,7 +202,7 @@ def serve(folder: str, name: str, watched: int) -> dict:
     os.replace(path + ".new", path)
     ready = os.path.join(folder, f"{name}.ready")
     with open(ready + ".new", "w") as file:  # whole or absent: tests/launching.py and the shim poll for it
-        json.dump({"read": sorted(read), "prefixes": PREFIXES, "applied": sorted(APPLIED), "pid": os.getpid()}, file)
+        json.dump({"read": sorted(read), "prefixes": prefixes, "applied": sorted(APPLIED), "pid": os.getpid()}, file)
     os.replace(ready + ".new", ready)
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
@@ -230,7 +239,7 @@ def serve(folder: str, name: str, watched: int) -> dict:
                     message += more
                 request = json.loads(message)
                 parsed = parse(request["argv"])
-                wanted = relevant(request["env"], read)
+                wanted = relevant(request["env"], read, prefixes)
                 indifferent = THREADS if is_launcher(request["argv"]) else ()
                 mismatch = sorted(variable for variable in wanted.keys() | base.keys()
                                   if wanted.get(variable, "\0unset") != base.get(variable, "\0unset")
