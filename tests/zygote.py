@@ -119,6 +119,20 @@ def loaded_prefixes() -> tuple[str, ...]:
     return PREFIXES if intel else tuple(prefix for prefix in PREFIXES if prefix != "KMP_")
 
 
+def answer_cpu_info_once() -> None:
+    """py-cpuinfo answers each call by running a Python program of its own (about a CPU-second), and DeepSpeed asks
+    two to four times in each rank (its op builders, CPU Adam): the machine's answer, asked once here, is a
+    child's answer too (a copy, as each call returns a new one)."""
+    try:
+        import cpuinfo
+    except ImportError:
+        return
+    import copy
+
+    answer = cpuinfo.get_cpu_info()
+    cpuinfo.get_cpu_info = lambda: copy.deepcopy(answer)
+
+
 def relevant(environment: dict[str, str], read: set[str], prefixes: tuple[str, ...] = PREFIXES) -> dict[str, str]:
     """The part of `environment` that decides what the preloaded imports did (not what a child applies itself)."""
     return {name: value for name, value in environment.items()
@@ -190,6 +204,7 @@ def serve(folder: str, name: str, watched: int) -> dict:
     read -= changes.keys() | set(removed) | set(rereads) | {"JE_ARROW_MALLOC_CONF"}
     prefixes = loaded_prefixes()
     base = relevant(before, read, prefixes)
+    answer_cpu_info_once()
     # The imports' objects never change: out of the collector's sight, a child's collections do not walk them (the
     # recipes collect at their end) nor copy their pages by touching them.
     import gc
