@@ -212,3 +212,12 @@ def test_intel_openmp_variables_decide_nothing_where_no_intel_openmp_is_loaded(f
     env = {**forking_env, "KMP_AFFINITY": "granularity=fine,compact,1,0", "KMP_BLOCKTIME": "1"}
     completed = run([sys.executable, "-c", "import sys; print('torch' in sys.modules)"], env=env, check=True)
     assert completed.stdout == "True\n" and len(fresh_starts()) == before
+
+
+def test_a_program_killed_outright_ends_its_stand_in_by_sigkill_too(tmp_path, forking_env):
+    # SIGKILL to the program itself (the data preparation's test kills it by the pid it names its folder with):
+    # the stand-in ends with -9, as the program's own process would.
+    kill_self = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    before = len(fresh_starts())
+    completed = run([sys.executable, "-c", kill_self], env=forking_env)
+    assert completed.returncode == -signal.SIGKILL and len(fresh_starts()) == before, completed.stderr[-2000:]

@@ -114,8 +114,9 @@ def main() -> None:
     if not line:  # the zygote died with its children
         sys.exit(1)
     code = os.waitstatus_to_exitcode(json.loads(line)["status"])
-    if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
+    if code < 0:  # ended by a signal: end so too, its handler the default one (SIGKILL's can be nothing else)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     sys.exit(code)
 
