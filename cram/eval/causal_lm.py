@@ -13,6 +13,7 @@ each task's data from the Hub (or its local cache); `--include-path` adds task Y
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 from pathlib import Path
@@ -64,15 +65,22 @@ def heldout_loss(
     return {"loss": mean, "perplexity": math.exp(mean), "sequences": count, "tokens": total_tokens}
 
 
+@functools.cache
+def task_manager(include_path: str | None):
+    """lm-eval's task index, with the tasks in `include_path`: built once a process, as building it reads every
+    task's YAML in lm-eval's registry (the slow part of a call; more than 10 s on a 2-core CPU)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path)
+
+
 def run_lm_eval(
     checkpoint: str | Path, tasks: list[str], *, include_path: str | Path | None = None, limit: int | None = None,
     batch_size: int = 8, device: str | None = None,
 ) -> dict[str, dict[str, float]]:
     """Score `checkpoint` on lm-eval `tasks` (zero-shot); {task: {metric: value}} with lm-eval's metric names."""
     lm_eval = import_optional("lm_eval", package="lm-eval", extra="lm-eval", purpose="scoring lm-eval --tasks")
-    from lm_eval.tasks import TaskManager
-
-    manager = TaskManager(include_path=str(include_path) if include_path else None)
+    manager = task_manager(str(include_path) if include_path else None)
     unknown = [task for task in tasks if task not in manager.all_tasks]
     if unknown:
         raise UserError(f"lm-eval knows no task {', '.join(unknown)}: check the name, or give the folder of its YAML "
