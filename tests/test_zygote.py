@@ -222,3 +222,14 @@ def test_a_program_killed_outright_ends_its_stand_in_by_sigkill_too(tmp_path, fo
     before = len(fresh_starts())
     completed = run([sys.executable, "-c", kill_self], env=forking_env)
     assert completed.returncode == -signal.SIGKILL and len(fresh_starts()) == before, completed.stderr[-2000:]
+
+
+def test_a_read_of_the_environment_by_bytes_names_no_variable():
+    # os.get_exec_path (a subprocess of a bare program name) tries env[b"PATH"] too: matplotlib does, building its
+    # font cache on its first import on a machine (CI's case), and the zygote died sorting the names it had read.
+    import zygote
+
+    with zygote.recording_reads() as read:
+        os.get_exec_path()
+        assert "CRAM_TEST_NOT_SET" not in os.environ
+    assert {"PATH", "CRAM_TEST_NOT_SET"} <= read and all(isinstance(name, str) for name in read), read

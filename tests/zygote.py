@@ -20,10 +20,12 @@ WATCHED_PID (the pytest worker) is gone, then kills what it forked and exits."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import traceback
+from collections.abc import Iterator
 
 # Variables read at import where os.environ does not see them: by the interpreter and the loader at start (PYTHON*,
 # LD_*, the locale), by C libraries as they load (libgomp, MKL, OpenBLAS, libtorch's logging), and whole families read
@@ -70,12 +72,19 @@ class RecordingEnviron(os._Environ):
     read: set[str] = set()
     copying: list[str] = []  # the keys a whole copy is about to read, last first
 
+    @staticmethod
+    def note(key: object) -> None:
+        # A variable's name is text: os.get_exec_path (shutil.which, subprocess of a bare name) also tries
+        # env[b"PATH"], which os.environ refuses (TypeError) and which names no variable of its own.
+        if isinstance(key, str):
+            RecordingEnviron.read.add(key)
+
     def __getitem__(self, key):
         if RecordingEnviron.copying and RecordingEnviron.copying[-1] == key:
             RecordingEnviron.copying.pop()
         else:
             RecordingEnviron.copying = []
-            RecordingEnviron.read.add(key)
+            self.note(key)
         return super().__getitem__(key)
 
     def keys(self):
@@ -86,7 +95,7 @@ class RecordingEnviron(os._Environ):
         return keys
 
     def __contains__(self, key):
-        RecordingEnviron.read.add(key)
+        self.note(key)
         return super().__contains__(key)
 
     def items(self):
@@ -94,21 +103,28 @@ class RecordingEnviron(os._Environ):
         return {self.decodekey(key): self.decodevalue(value) for key, value in self._data.items()}.items()
 
 
-def preload() -> set[str]:
-    """Import PRELOAD with os.environ recording; return the variables read."""
+@contextlib.contextmanager
+def recording_reads() -> Iterator[set[str]]:
+    """os.environ noting the variables read, within; the set of them."""
     plain = os.environ
     # The same mapping, noting reads: not a new environment, which is why B003's warning does not apply.
     os.environ = RecordingEnviron(plain._data, plain.encodekey, plain.decodekey,  # noqa: B003
                                   plain.encodevalue, plain.decodevalue)
     try:
+        yield RecordingEnviron.read
+    finally:
+        os.environ = plain  # noqa: B003
+
+
+def preload() -> set[str]:
+    """Import PRELOAD with os.environ recording; return the variables read."""
+    with recording_reads() as read:
         for name in PRELOAD:
             try:
                 __import__(name)
             except ImportError:
                 pass  # not installed in this stack: its programs import nothing of it either
-    finally:
-        os.environ = plain  # noqa: B003
-    return RecordingEnviron.read
+    return read
 
 
 def loaded_prefixes() -> tuple[str, ...]:
