@@ -29,7 +29,7 @@ from typing import NoReturn
 
 import psutil
 import pytest
-from zygote_shim import is_launcher, relevant_part, zygote_name
+from zygote_shim import family, is_launcher, relevant_part, zygote_name
 
 from cram.plan.launch import free_port
 
@@ -144,9 +144,9 @@ class Zygotes:
             arguments = command
         else:
             return command
-        shim = self.shim()
-        if os.statvfs(shim.parent).f_flag & os.ST_NOEXEC:  # a temporary folder mounted noexec cannot run it
+        if not self.runnable():
             return command
+        shim = self.shim()
         env = dict(os.environ if env is None else env)
         # A zygote started here is waited for rather than this program started fresh: a fresh program starts its
         # own programs fresh too (a launch's ranks, the planner's candidate launches), a whole tree of imports.
@@ -156,19 +156,22 @@ class Zygotes:
             name = self.name(env)
             launcher = is_launcher([str(argument) for argument in arguments])
             if name is not None and name not in self.started and not (
-                    launcher and any(started.split("-")[0] == name.split("-")[0] for started in self.started)):
+                    launcher and any(family(started) == family(name) for started in self.started)):
                 self.seen[name] = self.seen.get(name, 0) + 1
                 alive = sum(process.poll() is None for process in self.started.values())
                 if self.seen[name] >= 2 and alive < self.MOST:
                     self.ready_for(env)
         return [shim, *arguments]
 
+    def runnable(self) -> bool:
+        """Whether the stand-in can run: a temporary folder mounted noexec cannot run it."""
+        return not os.statvfs(self.shim().parent).f_flag & os.ST_NOEXEC
+
     def console_script(self, name: str, env: dict[str, str]) -> Path:
         """The console script `name` run through the shim, with a zygote ready for `env`: for code in the test's own
         process that starts it (the planner's candidate launches), where no command passes through `run`."""
-        real = ACCELERATE.with_name(name)
-        if not self.enabled() or os.statvfs(self.shim().parent).f_flag & os.ST_NOEXEC:
-            return real
+        if not self.enabled() or not self.runnable():
+            return ACCELERATE.with_name(name)
         self.ready_for(env)
         return self.folder / name
 

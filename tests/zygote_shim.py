@@ -46,6 +46,11 @@ def is_launcher(arguments: list[str]) -> bool:
             or arguments[:2] in (["-m", "torch.distributed.run"], ["-m", "accelerate.commands.launch"]))
 
 
+def family(name: str) -> str:
+    """The first half of a zygote's name: the variables other than THREADS, all a launcher's zygote must agree in."""
+    return name.split("-")[0]
+
+
 def digest(part: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()
 
@@ -70,9 +75,8 @@ def zygote_socket() -> tuple[str | None, str]:
     if os.path.exists(os.path.join(FOLDER, f"{name}.ready")):
         return os.path.join(FOLDER, f"{name}.sock"), ""
     if is_launcher(sys.argv[1:]):
-        prefix = name.split("-")[0] + "-"
         for ready in sorted(os.listdir(FOLDER)):
-            if ready.startswith(prefix) and ready.endswith(".ready"):
+            if ready.endswith(".ready") and family(ready) == family(name):
                 return os.path.join(FOLDER, ready.removesuffix(".ready") + ".sock"), ""
     first, mine = known.get("first", {}), relevant_part(dict(os.environ), known)
     differing = sorted(variable for variable in mine.keys() | first.keys() if mine.get(variable) != first.get(variable))
