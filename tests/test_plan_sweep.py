@@ -36,6 +36,7 @@ from cram.plan.setting import Setting
 from cram.plan.space import Candidate, candidate_space
 from cram.plan.sweep import sweep
 from cram.plan.sweep_length import LaunchCosts, LaunchLimits, format_duration, predict_step_seconds, sweep_length
+from cram.train import deepspeed_ops
 from cram.train.deepspeed_ops import build_offload_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,6 +132,36 @@ def test_a_stale_build_lock_is_reported_in_one_sentence(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=stale) as error:
         build_offload_optimizer()
     assert str(lock) in str(error.value) and str(error.value).count(". ") == 0
+
+
+def test_a_lock_whose_build_still_compiles_is_waited_for_however_old(tmp_path, monkeypatch):
+    """`make test` builds CPU Adam beside the suite at the lowest priority: its compilers may write nothing for longer
+    than the stale limit. The lock is stale only once no process works in the build's folder."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(deepspeed_ops, "POLL_SECONDS", 0.05)
+    folder = tmp_path / "cpu_adam"
+    folder.mkdir()
+    (folder / "lock").touch()
+    an_hour_ago = time.time() - 3600
+    for path in (folder / "lock", folder):
+        os.utime(path, (an_hour_ago, an_hour_ago))
+    raised: list[BaseException] = []
+
+    def wait_for_the_build() -> None:
+        try:
+            build_offload_optimizer(stale_after=1.0)
+        except UserError as error:
+            raised.append(error)
+
+    with started(["sleep", "600"], cwd=folder) as compiler:  # a compiler at work in the folder
+        waiting = threading.Thread(target=wait_for_the_build, daemon=True)
+        waiting.start()
+        wait_until(lambda: deepspeed_ops.build_running(folder), seconds=30, what="the compiler in the folder")
+        waiting.join(timeout=1.0)  # twenty looks at the lock
+        assert waiting.is_alive() and not raised
+        compiler.kill()
+    waiting.join(timeout=30)
+    assert not waiting.is_alive() and "left by a build that was interrupted" in str(raised[0])
 
 
 def test_probes_in_one_process_start_from_a_fresh_compiler_state():

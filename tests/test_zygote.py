@@ -113,9 +113,10 @@ def test_killing_the_stand_in_kills_the_program(tmp_path, forking_env):
     def gone() -> bool:
         try:
             os.kill(program, 0)
-        except ProcessLookupError:
+            # A process reaped while its stat is read gives ESRCH (ProcessLookupError) or no file.
+            return Path(f"/proc/{program}/stat").read_text().split(")")[1].split()[0] == "Z"
+        except (ProcessLookupError, FileNotFoundError):
             return True
-        return Path(f"/proc/{program}/stat").read_text().split(")")[1].split()[0] == "Z"
 
     wait_until(gone, seconds=30, what="the forked program to be killed")
 
