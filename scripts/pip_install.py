@@ -4,7 +4,9 @@ the settings pip would use here (`pip config list`: pip.conf files and PIP_* var
 find-links, constraints, trusted hosts, certificate, timeout, proxy. Where uv cannot be installed (a mirror without
 it), pip itself installs, as before.
 
-Usage: python scripts/pip_install.py [pip install arguments]   (run by the virtual environment's python; stdlib only)
+Usage: python scripts/pip_install.py [--compile-bytecode] [pip install arguments]
+(run by the virtual environment's python; stdlib only). Without --compile-bytecode, nothing is compiled: each module
+is compiled where it is first imported, and its bytecode kept only where PYTHONDONTWRITEBYTECODE is unset.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ FLAGS = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "fi
 # pip option -> the environment variable uv reads for it.
 VARIABLES = {"cert": "SSL_CERT_FILE", "timeout": "UV_HTTP_TIMEOUT", "default-timeout": "UV_HTTP_TIMEOUT",
              "proxy": "HTTPS_PROXY"}
+COMPILE = "--compile-bytecode"
 FALLBACK = "uv could not be installed here, so pip installs (slower)"
 
 
@@ -67,13 +70,17 @@ def find_uv() -> Path | None:
 
 
 def main(arguments: list[str]) -> int:
+    """`arguments` are pip's, and `--compile-bytecode` (uv's word; pip compiles unless told `--no-compile`)."""
+    compile_bytecode = COMPILE in arguments
+    arguments = [argument for argument in arguments if argument != COMPILE]
     uv = find_uv()
     if uv is None:
-        return subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", *arguments]).returncode
+        bytecode = [] if compile_bytecode else ["--no-compile"]
+        return subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", *bytecode, *arguments]).returncode
     flags, environment = uv_arguments(pip_settings(sys.executable))
-    # Bytecode now, as pip does: where PYTHONDONTWRITEBYTECODE is set (this project's CI machines), a package left
-    # without it is compiled again by every process that imports it. The target is the environment's folder.
-    command = [str(uv), "pip", "install", "--quiet", "--compile-bytecode", "--python", sys.prefix, *flags, *arguments]
+    # The target is the environment's folder (sys.executable may be a stand-in).
+    command = [str(uv), "pip", "install", "--quiet", *([COMPILE] if compile_bytecode else []), "--python",
+               sys.prefix, *flags, *arguments]
     return subprocess.run(command, env={**os.environ, **environment}).returncode
 
 
