@@ -168,12 +168,13 @@ pythia-smoke: setup
 # revisions; HELDOUT is the held-out text every model scores (a local copy of the Pile's val.jsonl.zst); BUDGET
 # (default 10m) the time the scoring may take; TOKENIZER unset: the run's. E.g.
 # `make pythia-replicate RUN=runs/pythia-160m-4xa100 DATA=pile/document HELDOUT=pile/val.jsonl.zst STEPS=0,1000,2000`.
+# It needs the install, not DeepSpeed's CPU Adam: scoring trains nothing.
 REFERENCE ?= released
 .PHONY: pythia-replicate
 pythia-replicate: pythia-data
 	@test -n "$(RUN)" || { echo "error: pass RUN=OUTPUT_DIR, the --output-dir of a run of recipes/pythia.py." >&2; exit 2; }
 	@test -n "$(HELDOUT)" || { echo "error: pass HELDOUT=PATH, held-out text for every model to score (a local copy of the Pile's validation split, val.jsonl.zst)." >&2; exit 2; }
-	@$(MAKE) --no-print-directory setup
+	@$(MAKE) --no-print-directory $(STAMP)
 	$(BIN)/python -m cram.eval.replication $(RUN) $(foreach reference,$(REFERENCE),--reference $(reference)) \
 		--data $(DATA) --heldout $(HELDOUT) $(if $(filter command line environment,$(origin TOKENIZER)),--tokenizer $(TOKENIZER)) \
 		$(if $(STEPS),--steps $(STEPS)) $(if $(BUDGET),--budget $(BUDGET)) $(if $(DEVICE),--device $(DEVICE))
