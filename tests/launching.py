@@ -95,20 +95,24 @@ class Zygotes:
     def shim(self) -> Path:
         """The stand-in interpreter, made once (tests/zygote_shim.py with this interpreter's path written in)."""
         if self.folder is None:
-            self.folder = Path(tempfile.mkdtemp(prefix="cram-zygotes-"))
-            source = (Path(__file__).with_name("zygote_shim.py")).read_text().replace("@PYTHON@", sys.executable)
-            shim = self.folder / "python"
-            shim.write_text(f"#!{sys.executable} -SE\n{source}")
-            shim.chmod(0o755)
-            # Beside it, the console scripts that programs find next to their interpreter (Path(sys.executable)
-            # .with_name("accelerate")), run by the shim.
-            for name in CONSOLE_SCRIPTS:
-                if (real := ACCELERATE.with_name(name)).exists():
-                    body = real.read_text().split("\n", 1)[1]
-                    (self.folder / name).write_text(f"#!{shim}\n{body}")
-                    (self.folder / name).chmod(0o755)
+            self.write_shim(Path(tempfile.mkdtemp(prefix="cram-zygotes-")))
             atexit.register(self.close)
         return self.folder / "python"
+
+    def write_shim(self, folder: Path) -> None:
+        """The stand-in in `folder`, which its zygotes serve from."""
+        self.folder = folder
+        source = (Path(__file__).with_name("zygote_shim.py")).read_text().replace("@PYTHON@", sys.executable)
+        shim = folder / "python"
+        shim.write_text(f"#!{sys.executable} -SE\n{source}")
+        shim.chmod(0o755)
+        # Beside it, the console scripts that programs find next to their interpreter (Path(sys.executable)
+        # .with_name("accelerate")), run by the shim.
+        for name in CONSOLE_SCRIPTS:
+            if (real := ACCELERATE.with_name(name)).exists():
+                body = real.read_text().split("\n", 1)[1]
+                (folder / name).write_text(f"#!{shim}\n{body}")
+                (folder / name).chmod(0o755)
 
     def name(self, env: dict[str, str]) -> str | None:
         """The zygote name for `env`, as the shim computes it; None until the first zygote has said what it read."""
@@ -124,14 +128,25 @@ class Zygotes:
             first = self.name(self.environments["first"])
             for suffix in (".sock", ".ready"):
                 (self.folder / f"{first}{suffix}").symlink_to(self.folder / f"first{suffix}")
-            self.started[first] = self.started.pop("first")
+            if "first" in self.started:  # not where another process started it (`serve_first`)
+                self.started[first] = self.started.pop("first")
         return zygote_name(env, self.relevant)
+
+    def zygote_command(self, name: str) -> list:
+        """The zygote `name` of this folder, less the pid it serves until that process is gone."""
+        return [sys.executable, Path(__file__).with_name("zygote.py"), self.folder, name]
+
+    def serve_first(self, env: dict[str, str], seconds: float = 300) -> None:
+        """Wait for the zygote that another process started as `first` in this folder under `env` (a Slurm node's,
+        in the node's namespaces), then let the stand-in find it by name."""
+        self.environments["first"] = dict(env)
+        wait_until(lambda: self.name(env) is not None, seconds=seconds, what=f"the zygote of {self.folder}")
 
     def start(self, name: str, env: dict[str, str]) -> None:
         with open(self.folder / f"{name}.log", "wb") as log:
-            process = subprocess.Popen([sys.executable, Path(__file__).with_name("zygote.py"), self.folder, name,
-                                        str(os.getpid())], env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                       stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+            process = subprocess.Popen([*self.zygote_command(name), str(os.getpid())], env=env,
+                                       stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                       start_new_session=True, cwd=REPO)
         self.started[name], self.environments[name] = process, dict(env)
 
     def command(self, command: list, env: dict[str, str] | None) -> list:
@@ -216,6 +231,16 @@ class Zygotes:
 
 
 ZYGOTES = Zygotes()
+
+
+def program_of(process: psutil.Process) -> psutil.Process:
+    """The process a Python program runs in: where a zygote forked it, the fork its stand-in asked for (which the
+    stand-in names in its folder, tests/zygote_shim.py), not the stand-in `process` is; else `process` itself."""
+    command = process.cmdline()
+    if command[1:2] == ["-SE"] and len(command) > 2 and Path(command[2]).name == "python":
+        with contextlib.suppress(OSError):
+            return psutil.Process(int((Path(command[2]).parent / f"{process.pid}.program").read_text()))
+    return process
 
 
 class StartedProcess:

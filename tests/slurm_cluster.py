@@ -14,6 +14,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,13 +99,31 @@ PartitionName=test Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
 """
 
 
-def _node(name: str, folder: Path, conf: Path) -> list[str]:
-    """slurmd for `name` in namespaces where the hostname `cram-<name>` resolves to NODE_NAME_ADDRESS."""
+def _node(name: str, folder: Path, conf: Path, zygotes: launching.Zygotes | None) -> list[str]:
+    """slurmd for `name` in namespaces where the hostname `cram-<name>` resolves to NODE_NAME_ADDRESS. With
+    `zygotes`, the node's own zygote beside it, serving until slurmd is gone, and Accelerate's `accelerate` there the
+    stand-in's: a job's launcher and ranks fork from it inside the node's namespaces, where one forked outside them
+    would have the machine's hostname and /etc/hosts."""
     hosts = folder / f"hosts-{name}"
     hosts.write_text(f"127.0.0.1 localhost\n{NODE_NAME_ADDRESS} cram-{name}\n")
-    script = (f"mount --bind {hosts} /etc/hosts && hostname cram-{name} && "
-              f"exec slurmd -D -N {name} -f {conf}")
-    return ["unshare", "--mount", "--uts", "sh", "-c", script]
+    script = f"mount --bind {hosts} /etc/hosts && hostname cram-{name} && "
+    if zygotes is None:
+        return ["unshare", "--mount", "--uts", "sh", "-c", script + f"exec slurmd -D -N {name} -f {conf}"]
+    # "$@": the zygote's command, watching $$, which is slurmd's once the shell has exec'd it.
+    script += (f"mount --bind {zygotes.folder / 'accelerate'} {launching.ACCELERATE} && "
+               f'{{ "$@" $$ < /dev/null > {zygotes.folder / "first.log"} 2>&1 & }} && '
+               f"exec slurmd -D -N {name} -f {conf}")
+    return ["unshare", "--mount", "--uts", "sh", "-c", script, "sh", *map(str, zygotes.zygote_command("first"))]
+
+
+def _node_zygotes(folder: Path) -> launching.Zygotes | None:
+    """A folder of the stand-in for a node's zygote, where the tests fork programs (launching.Zygotes)."""
+    if not launching.Zygotes.enabled():
+        return None
+    folder.mkdir()
+    zygotes = launching.Zygotes()
+    zygotes.write_shim(folder)
+    return zygotes if zygotes.runnable() else None
 
 
 @contextlib.contextmanager
@@ -124,16 +143,21 @@ def slurm_cluster(folder: Path) -> Iterator[SlurmCluster]:
     key, munge_socket, conf = folder / "munge.key", folder / "munge.socket", folder / "slurm.conf"
     launching.run(["mungekey", "--create", f"--keyfile={key}"], check=True, timeout=COMMAND_SECONDS)
     conf.write_text(_config(folder, munge_socket))
-    cluster = SlurmCluster(folder, {**os.environ, "SLURM_CONF": str(conf)})
+    # TMPDIR: what Slurm gives a job that has none, which the nodes' zygotes import under as well (tempfile keeps it).
+    cluster = SlurmCluster(folder, {**os.environ, "SLURM_CONF": str(conf), "TMPDIR": tempfile.gettempdir()})
     munged = ["munged", "--foreground", "--force", f"--key-file={key}", f"--socket={munge_socket}",
               f"--pid-file={folder}/munged.pid", f"--log-file={folder}/munged.log", f"--seed-file={folder}/munged.seed"]
     with contextlib.ExitStack() as daemons:
         daemons.enter_context(launching.started(munged))
         launching.wait_until(munge_socket.exists, seconds=COMMAND_SECONDS, what="munged's socket")
         daemons.enter_context(launching.started(["slurmctld", "-D", "-i", "-f", conf], env=cluster.env))
+        zygotes = {name: _node_zygotes(folder / f"zygotes-{name}") for name in NODES}
         for name in NODES:
-            daemons.enter_context(launching.started(_node(name, folder, conf), env=cluster.env))
+            daemons.enter_context(launching.started(_node(name, folder, conf, zygotes[name]), env=cluster.env))
         launching.wait_until(cluster.nodes_idle, seconds=COMMAND_SECONDS, interval=0.5, what="two idle Slurm nodes")
+        for node_zygotes in zygotes.values():
+            if node_zygotes is not None:
+                node_zygotes.serve_first(cluster.env)
         try:
             yield cluster
         finally:

@@ -8,6 +8,7 @@ the ways a cluster stops a job, comes back each time and reaches the reference's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass
@@ -103,12 +104,14 @@ def wait_for_end(slurm: SlurmCluster, job: Job, or_requeued: bool = False) -> di
 
 
 def training_processes(run_dir: Path) -> list[psutil.Process]:
-    """The recipe's processes of the run in `run_dir` (not their launchers)."""
+    """The recipe's processes of the run in `run_dir` (not their launchers): where a node's zygote forked one, the
+    fork, not its stand-in (which has the command line)."""
     found = []
     for process in psutil.process_iter(["cmdline"]):
         command = " ".join(process.info["cmdline"] or [])
         if "recipes/cram.py" in command and str(run_dir) in command and "accelerate" not in command:
-            found.append(process)
+            with contextlib.suppress(psutil.Error):
+                found.append(launching.program_of(process))
     return found
 
 

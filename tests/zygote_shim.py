@@ -100,6 +100,11 @@ def main() -> None:
     if "pid" not in answer:
         fresh(f"the zygote refused: {answer.get('fresh')}")
     child = answer["pid"]
+    # The process the program runs in, for a test that looks at it rather than at this stand-in (its sockets):
+    # launching.program_of reads it here while the program runs.
+    program = os.path.join(FOLDER, f"{os.getpid()}.program")
+    with open(program, "w") as file:
+        file.write(str(child))
 
     def forward(number, frame):
         try:
@@ -115,6 +120,7 @@ def main() -> None:
             break
         except InterruptedError:
             continue
+    os.remove(program)
     if not line:  # the zygote died with its children
         sys.exit(1)
     code = os.waitstatus_to_exitcode(json.loads(line)["status"])
