@@ -5,7 +5,8 @@ tests/launching.py and killed when the cluster is left, after its jobs are cance
 
 Each slurmd runs in a mount and UTS namespace of its own (`unshare`), where the node's name resolves to 127.0.1.1,
 as a Debian or Ubuntu machine's does: the jobs it starts inherit that, so a process that listened where its name
-resolves would listen on loopback there.
+resolves would listen on loopback there. Beside each slurmd runs a zygote of its node (tests/zygote.py), started in
+the same namespaces, that forks its jobs' launchers and ranks (docs/testing.md: Slurm).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ COMMAND_SECONDS = 60  # a Slurm command that takes longer has lost its controlle
 @dataclass
 class SlurmCluster:
     folder: Path
-    env: dict[str, str]  # SLURM_CONF: what every Slurm command, and every job, needs
+    env: dict[str, str]  # SLURM_CONF: what every Slurm command, and every job, needs; and TMPDIR (below)
 
     def command(self, *arguments: str, check: bool = True) -> subprocess.CompletedProcess:
         return launching.run(list(arguments), env=self.env, timeout=COMMAND_SECONDS, check=check)
