@@ -140,7 +140,8 @@ class Zygotes:
         """Wait for the zygote that another process started as `first` in this folder under `env` (a Slurm node's,
         in the node's namespaces), then let the stand-in find it by name."""
         self.environments["first"] = dict(env)
-        wait_until(lambda: self.name(env) is not None, seconds=seconds, what=f"the zygote of {self.folder}")
+        wait_until(lambda: self.name(env) is not None, seconds=seconds,
+                   what=f"the zygote of {self.folder} (its log: first.log there)")
 
     def start(self, name: str, env: dict[str, str]) -> None:
         with open(self.folder / f"{name}.log", "wb") as log:

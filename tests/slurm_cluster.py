@@ -118,7 +118,8 @@ def _node(name: str, folder: Path, conf: Path, zygotes: launching.Zygotes | None
 
 
 def _node_zygotes(folder: Path) -> launching.Zygotes | None:
-    """A folder of the stand-in for a node's zygote, where the tests fork programs (launching.Zygotes)."""
+    """The stand-in for a node's zygote, written in `folder` (launching.Zygotes); None where the tests start every
+    program fresh."""
     if not launching.Zygotes.enabled():
         return None
     folder.mkdir()
