@@ -27,7 +27,8 @@ import pytest
 from cram.plan.launch import free_port
 
 INSTALL = "apt-get install -y slurm-wlm munge"
-PROGRAMS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "sinfo", "unshare")
+PROGRAMS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "sinfo", "unshare",
+            "nsenter")
 NODES = {"n1": "127.0.0.1", "n2": "127.0.0.2"}
 NODE_NAME_ADDRESS = "127.0.1.1"  # where each node's hostname resolves (Debian's default for the machine's name)
 # Slurm's own seconds for a job's processes to end after SIGTERM before SIGKILL: room for a state write on a loaded

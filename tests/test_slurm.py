@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,6 +116,15 @@ def training_processes(run_dir: Path) -> list[psutil.Process]:
     return found
 
 
+def uts_hostname(process: psutil.Process) -> str:
+    """The hostname of `process`'s UTS namespace (`nsenter`, as the process itself would read it)."""
+    try:
+        return subprocess.run(["nsenter", f"--uts=/proc/{process.pid}/ns/uts", "hostname"], capture_output=True,
+                              text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
 def listening_addresses(process: psutil.Process) -> set[str]:
     try:
         return {connection.laddr.ip for connection in process.net_connections("tcp")
@@ -128,22 +138,26 @@ class UninterruptedJob:
     job: Job
     fields: dict[str, str]  # scontrol's, once it ended
     listening: list[set[str]]  # each training process's listening addresses, once its host group was made
+    hostnames: list[str]  # each training process's UTS namespace's hostname (its node's, where it runs inside it)
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(slurm, tmp_path_factory, recipe_env, small_corpus) -> UninterruptedJob:
     job = submit(slurm, tmp_path_factory.mktemp("uninterrupted"), recipe_env, [*RUN, "--data", str(small_corpus)])
     listening: list[set[str]] = []
+    hostnames: list[str] = []
 
     def host_groups_made() -> bool:
         if job.output().count("host-side group of rank") < len(NODES):
             return False
-        listening[:] = [listening_addresses(process) for process in training_processes(job.run_dir)]
+        processes = training_processes(job.run_dir)
+        listening[:] = [listening_addresses(process) for process in processes]
+        hostnames[:] = [uts_hostname(process) for process in processes]
         return len(listening) == len(NODES)
 
     launching.wait_until(host_groups_made, seconds=JOB_SECONDS, interval=0.2,
                          what=f"both nodes' host groups of job {job.id}:\n{job.output()[-3000:]}")
-    return UninterruptedJob(job, wait_for_end(slurm, job), listening)
+    return UninterruptedJob(job, wait_for_end(slurm, job), listening, hostnames)
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -173,6 +187,8 @@ def test_the_host_group_listens_where_the_main_process_is_reached_not_where_the_
         assert f"host-side group of rank {rank} on lo ({NODES['n1']}), the interface that reaches the main " \
                f"process at {NODES['n1']}" in output.replace("on lo0", "on lo"), output
     assert len(uninterrupted.listening) == len(NODES)
+    # Each rank runs in its node's namespaces (forked there by the node's zygote, or started there by slurmd).
+    assert sorted(uninterrupted.hostnames) == [f"cram-{name}" for name in NODES], uninterrupted.hostnames
     for addresses in uninterrupted.listening:
         assert NODES["n1"] in addresses and NODE_NAME_ADDRESS not in addresses, uninterrupted.listening
 
