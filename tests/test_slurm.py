@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,11 +117,7 @@ def training_processes(run_dir: Path) -> list[psutil.Process]:
 
 def uts_hostname(process: psutil.Process) -> str:
     """The hostname of `process`'s UTS namespace (`nsenter`, as the process itself would read it)."""
-    try:
-        return subprocess.run(["nsenter", f"--uts=/proc/{process.pid}/ns/uts", "hostname"], capture_output=True,
-                              text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
+    return launching.run(["nsenter", f"--uts=/proc/{process.pid}/ns/uts", "hostname"], timeout=30).stdout.strip()
 
 
 def listening_addresses(process: psutil.Process) -> set[str]:
