@@ -15,7 +15,7 @@ setup: $(STAMP) $(OPS)
 # paths to install (README: Install extras); the suite needs them all. PIP_INSTALL installs through uv with pip's own
 # configuration (scripts/pip_install.py; pip itself where uv cannot be had), and compiles every module's bytecode as
 # pip does (BYTECODE), so that a process started where PYTHONDONTWRITEBYTECODE is set does not compile its imports
-# again; from empty caches on 2 cores, 1 min 53 s against pip's 3 min 5 s (docs/benchmarks.md: The test suite).
+# again; uv for its speed from empty caches (docs/benchmarks.md: The test suite).
 # Where DeepSpeed is installed, its CPU Adam (the optimizer of every offloaded run) is built here, once, rather than by
 # the first offloaded launch.
 EXTRAS ?= all,dev
@@ -46,11 +46,11 @@ demo: setup
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-# `make test` builds DeepSpeed's CPU Adam beside the suite instead of before it (about 200 CPU-s on 2 cores, where a new
-# .venv needs it), at the lowest priority: it takes the CPU the suite leaves idle, and an offloaded launch that comes
+# `make test` builds DeepSpeed's CPU Adam beside the suite instead of before it (where a new .venv needs it), at the
+# lowest priority: it takes the CPU the suite leaves idle, and an offloaded launch that comes
 # first waits for it on DeepSpeed's own build lock (torch.utils.cpp_extension) instead of building it again.
 # Its processes write the bytecode of what they import, PYTHONDONTWRITEBYTECODE or not, so an install for the suite
-# compiles none: the suite imports a fraction of what is installed (uv from empty caches: 23 s instead of 1 min 53 s).
+# compiles none: the suite imports a fraction of what is installed.
 test: BYTECODE :=
 test: export PYTHONDONTWRITEBYTECODE :=
 test: $(STAMP)

@@ -1,8 +1,8 @@
-"""`pip install ARGS` for `make setup`, through uv where uv installs: from empty caches on 2 cores, torch and every
-extra take uv 1 min 53 s compiling bytecode (23 s without) and pip 3 min 5 s (docs/benchmarks.md: The test suite).
-uv does not read pip's configuration, so the settings pip would use here (`pip config list`: pip.conf files and PIP_*
-variables) are passed on to it: indexes, find-links, constraints, trusted hosts, certificate, timeout, proxy. Where uv
-cannot be installed (a mirror without it), pip itself installs, as before.
+"""`pip install ARGS` for `make setup`, through uv where uv installs, several times faster than pip from empty caches
+(docs/benchmarks.md: The test suite). uv does not read pip's configuration, so the settings pip would use here (`pip
+config list`: pip.conf files and PIP_* variables) are passed on to it: indexes, find-links, constraints, trusted
+hosts, certificate, timeout, proxy. Where uv cannot be installed (a mirror without it), pip itself installs, as
+before.
 
 Usage: python scripts/pip_install.py [--compile-bytecode] [pip install arguments]
 (run by the virtual environment's python; stdlib only). Without --compile-bytecode, nothing is compiled: each module
