@@ -24,7 +24,7 @@ PIP_INSTALL = $(BIN)/python scripts/pip_install.py $(BYTECODE)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(PIP_INSTALL) "$(TORCH_SPEC)"
-	$(BIN)/python -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/keep-torch.txt
+	$(BIN)/python -c "from importlib.metadata import version; print('torch==' + version('torch'))" > $(VENV)/keep-torch.txt
 	$(PIP_INSTALL) -c $(VENV)/keep-torch.txt -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
@@ -47,14 +47,21 @@ TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # `make test` builds DeepSpeed's CPU Adam beside the suite instead of before it (where a new .venv needs it), at the
-# lowest priority: it takes the CPU the suite leaves idle, and an offloaded launch that comes
-# first waits for it on DeepSpeed's own build lock (torch.utils.cpp_extension) instead of building it again.
+# lowest priority: it takes the CPU the suite leaves idle, and an offloaded launch that comes first waits for it on
+# DeepSpeed's own build lock (torch.utils.cpp_extension) instead of building it again. The suite's build is its own,
+# in .venv (TORCH_EXTENSIONS_DIR), made by tests/cxx-no-debug-info (CXX): the compiler without DeepSpeed's `-g`,
+# which changes no generated code. Every process of the suite has both, so no launch rebuilds it under other flags,
+# and the build `make setup` makes for users' runs is left as DeepSpeed makes it (docs/testing.md: Size and time).
 # Its processes write the bytecode of what they import, PYTHONDONTWRITEBYTECODE or not, so an install for the suite
 # compiles none: the suite imports a fraction of what is installed.
+TEST_OPS := $(VENV)/.test-ops-built
 test: BYTECODE :=
 test: export PYTHONDONTWRITEBYTECODE :=
+test: export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch-extensions
+test: export CRAM_TEST_REAL_CXX := $(if $(filter environment command line,$(origin CXX)),$(CXX),c++)
+test: export CXX := $(abspath tests/cxx-no-debug-info)
 test: $(STAMP)
-	{ test $(OPS) -nt $(STAMP) || { nice -n 19 $(BIN)/python -m cram.train.deepspeed_ops && touch $(OPS); }; } & \
+	{ test $(TEST_OPS) -nt $(STAMP) || { nice -n 19 $(BIN)/python -m cram.train.deepspeed_ops && touch $(TEST_OPS); }; } & \
 	built=$$!; $(PYTEST); tested=$$?; wait $$built && exit $$tested
 
 # The inner loop: no test that starts a Python process (the `launch` mark, which tests/launching.py insists on) or
