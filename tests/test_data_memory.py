@@ -22,10 +22,8 @@ pytestmark = pytest.mark.launch
 
 
 def peak_rss_kb(corpus: Path, output: Path) -> tuple[int, int]:
-    # Forked by the tests' zygote, as the two programs a test compares both are: Linux starts a fork's peak at its
-    # parent's resident size, so both peaks start from the zygote's imports, and their difference, which the tests
-    # compare, is what the preparations themselves held.
-    result = run([sys.executable, "-c", PEAK_SCRIPT, str(corpus), str(output)], check=True)
+    # A fresh interpreter: the peak is its own, where a zygote's child would start from the zygote's imports.
+    result = run([sys.executable, "-c", PEAK_SCRIPT, str(corpus), str(output)], check=True, fresh=True)
     tokens, peak = result.stdout.split()[-2:]
     return int(tokens), int(peak)
 
