@@ -13,6 +13,7 @@ from pathlib import Path
 import launching
 import pytest
 import torch
+from hub_standin import reserve_session_endpoint
 
 import cram.train.precision
 from cram.data import embedded_corpus_path
@@ -53,9 +54,13 @@ def pytest_configure(config: pytest.Config) -> None:
     One inductor cache for the whole session, made by the first pytest process (the workers inherit it): a graph
     that one test compiled, another test or process of the same shapes loads instead of compiling again, and the
     session starts from an empty cache, never from what an earlier session left. A test that needs to know a
-    process ran compiled code reads that process's own trace (launching.generated_code_per_process)."""
+    process ran compiled code reads that process's own trace (launching.generated_code_per_process).
+
+    And one Hub address for every program of each pytest process, where its tests' Hub stand-ins listen
+    (tests/hub_standin.py, `reserve_session_endpoint`)."""
     given = config.getoption("timeout", None)
     launching.check_hang_guard(float(config.getini("timeout") or 0) if given is None else float(given))
+    reserve_session_endpoint()
     if not hasattr(config, "workerinput"):
         os.environ[INDUCTOR_CACHE_OWNER] = str(os.getpid())
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="cram-test-inductor-")

@@ -13,6 +13,8 @@ import base64
 import contextlib
 import hashlib
 import json
+import os
+import random
 import re
 import socket
 import threading
@@ -24,6 +26,10 @@ from urllib.parse import unquote, urlsplit
 import yaml
 
 REPO = r"(?P<repo>[^/]+/[^/]+)"
+# The Hub address of a pytest process's programs (HF_ENDPOINT), on a port of this range: above cram.slurm's job ports
+# (12000-31999), below Linux's ephemeral ports (32768-60999), which every other port of the suite is.
+SESSION_PORTS = range(32000, 32768)
+SESSION_PORT = "CRAM_TEST_HUB_PORT"
 INVALID_CREDENTIALS = "Invalid credentials in Authorization header"
 
 
@@ -42,13 +48,56 @@ class StoredRepo:
     commits: dict[str, list[str]] = field(default_factory=lambda: {"main": []})  # commit summaries per branch
 
 
+def reserve_session_endpoint() -> None:
+    """Point every program this pytest process starts at one Hub address of its own (HF_ENDPOINT): each test's
+    stand-in listens there while it runs, and nothing does otherwise, so a client that reaches for the Hub outside a
+    stand-in is refused at once, as with no network. huggingface_hub reads HF_ENDPOINT as it loads, so a program that
+    talked to a stand-in of its own address ran in an environment of its own, in a fresh interpreter; now it forks
+    from the zygote of every other program (tests/zygote.py)."""
+    generator = random.Random(os.getpid())
+    for port in generator.sample(SESSION_PORTS, 16):
+        with socket.socket() as probe, contextlib.suppress(OSError):
+            probe.bind(("127.0.0.1", port))
+            os.environ.update(HF_ENDPOINT=f"http://127.0.0.1:{port}", **{SESSION_PORT: str(port)})
+            return
+
+
+class ClosingHTTPServer(ThreadingHTTPServer):
+    """A ThreadingHTTPServer that closes the connections it still holds when it closes: a client keeps its connection
+    alive for the next request (huggingface_hub's pool), which would reach this stand-in's state after the next one
+    listens on the same port."""
+
+    daemon_threads = True
+
+    def __init__(self, *arguments: object) -> None:
+        super().__init__(*arguments)
+        self.connections: set[socket.socket] = set()
+
+    def process_request(self, request: socket.socket, client_address: object) -> None:
+        self.connections.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: socket.socket) -> None:
+        self.connections.discard(request)
+        super().shutdown_request(request)
+
+    def server_close(self) -> None:
+        super().server_close()
+        for connection in list(self.connections):
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+
+
 class HubStandIn:
     """Run with `with HubStandIn(token=...) as hub:`; `hub.endpoint` is the URL to point the client at.
 
-    With `token` set, a request without `Authorization: Bearer <token>` gets the Hub's 401 answer.
+    With `token` set, a request without `Authorization: Bearer <token>` gets the Hub's 401 answer. With
+    `session_address`, it listens at the address every program of this pytest process is given (HF_ENDPOINT,
+    `reserve_session_endpoint`), so the programs a test points at it need no environment of their own; else, and
+    where another stand-in listens there, on a port of its own.
     """
 
-    def __init__(self, token: str | None = None) -> None:
+    def __init__(self, token: str | None = None, session_address: bool = False) -> None:
         self.token = token
         self.repos: dict[str, StoredRepo] = {}
         self.requests: list[RecordedRequest] = []
@@ -58,8 +107,11 @@ class HubStandIn:
         # Held while a request changes or reads the state above, not while it waits (`before_answer`): requests are
         # answered side by side, as the Hub answers them, so a client that sends two at once is seen doing it.
         self.lock = threading.Lock()
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self.handler_class())
-        self.server.daemon_threads = True
+        port = int(os.environ.get(SESSION_PORT, 0)) if session_address else 0
+        try:
+            self.server = ClosingHTTPServer(("127.0.0.1", port), self.handler_class())
+        except OSError:  # another stand-in listens there
+            self.server = ClosingHTTPServer(("127.0.0.1", 0), self.handler_class())
         self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(
             target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, name="hub-standin", daemon=True

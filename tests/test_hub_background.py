@@ -34,8 +34,8 @@ RUN_GUARD_SECONDS = 900
 class SlowHub(HubStandIn):
     """A Hub whose commits wait until `gate` is set (at most GATE_GUARD_SECONDS, so no upload waits forever)."""
 
-    def __init__(self, token: str | None = None) -> None:
-        super().__init__(token)
+    def __init__(self, token: str | None = None, session_address: bool = False) -> None:
+        super().__init__(token, session_address)
         self.gate = threading.Event()
 
     def before_answer(self, method: str, path: str) -> None:
@@ -162,7 +162,7 @@ def test_a_stopped_run_abandons_the_uploads_still_waiting_and_says_how_to_push_e
 def test_training_finishes_while_checkpoint_uploads_wait_and_the_final_push_follows_them(tmp_path, recipe_env):
     env = {**recipe_env, "HF_TOKEN": TOKEN}
     env.pop("HF_HUB_OFFLINE", None)
-    with SlowHub(token=TOKEN) as hub:
+    with SlowHub(token=TOKEN, session_address=True) as hub:  # its programs fork as the others do
         command = [sys.executable, RECIPE, "--preset", "tiny", "--max-steps", "3", "--micro-batch-size", "8",
                    "--target-batch-size", "16", "--output-dir", tmp_path, "--push-to-hub", "lab/crammed-tiny",
                    "--checkpoint-every", "1", "--push-checkpoints"]

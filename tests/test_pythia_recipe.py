@@ -101,7 +101,7 @@ def zero1_pushed(tmp_path_factory, recipe_env, megatron_data) -> tuple[Path, Hub
     output_dir = tmp_path_factory.mktemp("zero1") / "run"
     environment = {**recipe_env, "HF_TOKEN": TOKEN}
     environment.pop("HF_HUB_OFFLINE", None)
-    with HubStandIn(token=TOKEN) as hub:
+    with HubStandIn(token=TOKEN, session_address=True) as hub:  # its programs fork as the others do
         command = launch_command("cpu-zero1", megatron_data, output_dir, "--push-to-hub", "lab/pythia-tiny",
                                  "--push-checkpoints")
         completed = run(command, cwd=REPO, env={**environment, "HF_ENDPOINT": hub.endpoint})

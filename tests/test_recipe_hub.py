@@ -26,7 +26,7 @@ def env(recipe_env) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_the_final_model_and_each_checkpoint_are_pushed_privately_with_a_card(tmp_path, env):
-    with HubStandIn(token=TOKEN) as hub:
+    with HubStandIn(token=TOKEN, session_address=True) as hub:  # its programs fork as the others do
         command = [sys.executable, RECIPE, *RUN, "--output-dir", tmp_path, "--push-to-hub", "lab/crammed-tiny",
                    "--checkpoint-every", "1", "--push-checkpoints"]
         completed = run(command, env={**env, "HF_ENDPOINT": hub.endpoint})
