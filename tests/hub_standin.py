@@ -49,11 +49,12 @@ class StoredRepo:
 
 
 def reserve_session_endpoint() -> None:
-    """Point every program this pytest process starts at one Hub address of its own (HF_ENDPOINT): each test's
-    stand-in listens there while it runs, and nothing does otherwise, so a client that reaches for the Hub outside a
-    stand-in is refused at once, as with no network. huggingface_hub reads HF_ENDPOINT as it loads, so a program that
-    talked to a stand-in of its own address ran in an environment of its own, in a fresh interpreter; now it forks
-    from the zygote of every other program (tests/zygote.py)."""
+    """Point every program this pytest process starts at one Hub address of its own (HF_ENDPOINT): a stand-in made
+    with `session_address` listens there while its test runs, and nothing does otherwise, so a client that reaches
+    for the Hub outside one is refused at once, as with no network. huggingface_hub reads HF_ENDPOINT as it loads,
+    so the programs a test points at such a stand-in share the environment of every other program and fork from the
+    same zygote (tests/zygote.py). Where no port of SESSION_PORTS is free, none is set, and every stand-in takes a
+    port of its own."""
     generator = random.Random(os.getpid())
     for port in generator.sample(SESSION_PORTS, 16):
         with socket.socket() as probe, contextlib.suppress(OSError):
