@@ -52,17 +52,25 @@ PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loa
 # in .venv (TORCH_EXTENSIONS_DIR), made by tests/cxx-no-debug-info (CXX): the compiler without DeepSpeed's `-g`,
 # which changes no generated code. Every process of the suite has both, so no launch rebuilds it under other flags,
 # and the build `make setup` makes for users' runs is left as DeepSpeed makes it (docs/testing.md: Size and time).
+# inductor compiles its kernels with CXX too, and picks its flags and precompiled headers by the compiler's name, so
+# the script is reached through a link named after the compiler it runs: g++ (inductor's default), or the CXX given.
 # Its processes write the bytecode of what they import, PYTHONDONTWRITEBYTECODE or not, so an install for the suite
 # compiles none: the suite imports a fraction of what is installed.
 TEST_OPS := $(VENV)/.test-ops-built
+TEST_REAL_CXX := $(if $(filter environment command line,$(origin CXX)),$(CXX),g++)
+TEST_CXX := $(abspath $(VENV))/test-cxx/$(notdir $(TEST_REAL_CXX))
 test: BYTECODE :=
 test: export PYTHONDONTWRITEBYTECODE :=
 test: export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch-extensions
-test: export CRAM_TEST_REAL_CXX := $(if $(filter environment command line,$(origin CXX)),$(CXX),c++)
-test: export CXX := $(abspath tests/cxx-no-debug-info)
-test: $(STAMP)
-	{ test $(TEST_OPS) -nt $(STAMP) || { nice -n 19 $(BIN)/python -m cram.train.deepspeed_ops && touch $(TEST_OPS); }; } & \
+test: export CRAM_TEST_REAL_CXX := $(TEST_REAL_CXX)
+test: export CXX := $(TEST_CXX)
+test: $(STAMP) $(TEST_CXX)
+	{ { test $(TEST_OPS) -nt $(STAMP) && grep -qxF "$$CXX" $(TEST_OPS); } || \
+	  { nice -n 19 $(BIN)/python -m cram.train.deepspeed_ops && echo "$$CXX" > $(TEST_OPS); }; } & \
 	built=$$!; $(PYTEST); tested=$$?; wait $$built && exit $$tested
+
+$(TEST_CXX): tests/cxx-no-debug-info
+	mkdir -p $(@D) && ln -sf $(abspath $<) $@
 
 # The inner loop: no test that starts a Python process (the `launch` mark, which tests/launching.py insists on) or
 # is marked `slow` (lm-eval's task registry, in-process compilation).
