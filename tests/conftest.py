@@ -13,6 +13,7 @@ from pathlib import Path
 import launching
 import pytest
 import torch
+import torch._inductor.config
 from hub_standin import reserve_session_endpoint
 
 import cram.train.precision
@@ -26,7 +27,12 @@ from cram.train.precision import resolve_precision
 # to gain from more than one (docs/benchmarks.md: The test suite).
 os.environ.setdefault("CRAM_CPU_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# So too for inductor's kernel compiles: at its default for 2 cores, each compiling process starts a pool of compile
+# workers (a fresh interpreter that imports torch) to compile 2 kernels at a time; at 1 it compiles them itself, the
+# same kernels, one after another.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+torch._inductor.config.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])  # read as this imported
 
 
 def pytest_report_header() -> str:
