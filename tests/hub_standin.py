@@ -352,3 +352,11 @@ def closed_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]  # nothing listens once the probe closes
+
+
+def unreachable_endpoint() -> str:
+    """A Hub address nothing answers at, for a program to find the Hub unreachable: the session's (nothing listens
+    there outside a `session_address` stand-in, and its programs fork as every other does), else a closed port's."""
+    if SESSION_PORT in os.environ:
+        return os.environ["HF_ENDPOINT"]
+    return f"http://127.0.0.1:{closed_port()}"

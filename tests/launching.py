@@ -234,6 +234,12 @@ class Zygotes:
 ZYGOTES = Zygotes()
 
 
+def interpreter_folder(env: dict[str, str]) -> Path:
+    """The folder whose `python` a program that is not Python runs (make's `$(BIN)/python`): the zygotes' stand-in,
+    with a zygote ready for `env`, where they serve; else this interpreter's own."""
+    return ZYGOTES.console_script("python", env).parent
+
+
 def program_of(process: psutil.Process) -> psutil.Process:
     """The process a Python program runs in: where a zygote forked it, the fork its stand-in asked for (which the
     stand-in names in its folder, tests/zygote_shim.py), not the stand-in `process` is; else `process` itself."""

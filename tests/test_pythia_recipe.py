@@ -21,7 +21,7 @@ import pytest
 import safetensors.torch
 import torch
 from hub_standin import HubStandIn
-from launching import accelerate_launch, load_recipe, run, started, wait_until
+from launching import accelerate_launch, interpreter_folder, load_recipe, run, started, wait_until
 from pile_standin import write_pile_split
 from safetensors.torch import load as load_safetensors
 from transformers import AutoModelForCausalLM
@@ -405,9 +405,10 @@ def test_make_pythia_replicate_prints_a_verdict_on_a_run(tmp_path, recipe_env, m
     """The CPU stand-in of `make pythia-replicate` on a run's output: the ZeRO-3 run against the ZeRO-1 one."""
     prefix, _ = megatron_data
     venv = Path(sys.executable).parent.parent
+    # Its python is the one every program of the suite runs (BIN: the zygotes' stand-in, which forks it).
     completed = run(["make", "--no-print-directory", "pythia-replicate", f"RUN={zero3_resumed[0]}",
          f"REFERENCE={zero1_pushed[0]}", f"DATA={prefix}", f"HELDOUT={heldout_file}", "BUDGET=20s", "STEPS=0,1,2,4,5",
-         f"VENV={venv}"],
+         f"VENV={venv}", f"BIN={interpreter_folder(recipe_env)}"],
                     cwd=REPO, env=recipe_env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "PASS: at every step compared (0, 1, 2, 4, 5)" in completed.stdout

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hub_standin import HubStandIn, closed_port
+from hub_standin import HubStandIn, unreachable_endpoint
 from launching import run, run_recipe_in_process
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,10 +51,9 @@ def test_the_final_model_and_each_checkpoint_are_pushed_privately_with_a_card(tm
 @pytest.mark.slow
 def test_with_no_hub_reachable_the_local_checkpoint_is_complete_and_the_error_is_one_sentence(tmp_path, env):
     # Intermediate pushes fail too: each is a warning, and training goes on to the end.
-    port = closed_port()
     command = [sys.executable, RECIPE, *RUN, "--output-dir", tmp_path, "--push-to-hub", "lab/crammed-tiny",
                "--checkpoint-every", "1", "--push-checkpoints"]
-    completed = run(command, env={**env, "HF_ENDPOINT": f"http://127.0.0.1:{port}"})
+    completed = run(command, env={**env, "HF_ENDPOINT": unreachable_endpoint()})
     assert completed.returncode == 2
     last_line = completed.stderr.strip().splitlines()[-1]
     assert last_line.startswith("error: could not reach the Hugging Face Hub")
