@@ -32,7 +32,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # same kernels, one after another.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-torch._inductor.config.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])  # read as this imported
+# The workers' own config read the variable before it was set here: conftest's imports load it.
+torch._inductor.config.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
 
 
 def pytest_report_header() -> str:
