@@ -61,9 +61,9 @@ def run_gpu_report(output_dir: Path, env: dict, options: list, *hidden: str) -> 
     """The report run in its own process (DeepSpeed starts a process group), with `hidden` modules missing."""
     program = (f"import sys\nfor module in {hidden!r}:\n    sys.modules[module] = None\n"
                "from cram.bench.gpu_report import main\nmain(sys.argv[1:])\n")
-    # A fresh interpreter: a zygote's child would start with the hidden modules imported.
+    # With modules hidden, a fresh interpreter: a zygote's child would start with them imported.
     completed = run([sys.executable, "-c", program, "--output-dir", str(output_dir), *map(str, options)], cwd=REPO,
-                    env=env, fresh=True)
+                    env=env, fresh=bool(hidden))
     assert completed.returncode == 0, completed.stderr[-3000:]
     markdown = (output_dir / "gpu_report.md").read_text()
     assert markdown in completed.stdout

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 CURVES = (("loss", "loss"), ("lr", "learning rate"), ("batch_size", "batch (sequences)"),
           ("tokens_per_second", "tokens/s"))
 AXES = (("step", "optimizer step"), ("elapsed", "training time (s)"))
+# The curves are redrawn after a checkpoint at most this often. Drawing takes about a second of the main process,
+# which every other process then waits for at its next collective, and a run checkpointed every few steps would
+# pay it each time; the end of the run always draws them.
+REDRAW_SECONDS = 300.0
 
 
 def write_training_curves(history: list[dict], path: str | Path) -> Path | None:
@@ -43,3 +49,22 @@ def write_training_curves(history: list[dict], path: str | Path) -> Path | None:
         plt.close(figure)
         staging.unlink(missing_ok=True)
     return path
+
+
+class CheckpointCurves:
+    """The curves redrawn after a checkpoint (`after_checkpoint`), once `every_seconds` have passed since they were
+    last drawn here, or since the run started."""
+
+    def __init__(self, path: str | Path, every_seconds: float = REDRAW_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.path = Path(path)
+        self.every_seconds = every_seconds
+        self.clock = clock
+        self.drawn_at = clock()
+
+    def after_checkpoint(self, history: list[dict]) -> Path | None:
+        """Redraw into `path` if it is time; None where it is not, or nothing is logged."""
+        if self.clock() - self.drawn_at < self.every_seconds:
+            return None
+        self.drawn_at = self.clock()
+        return write_training_curves(history, self.path)

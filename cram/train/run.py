@@ -31,7 +31,7 @@ from cram.train.checkpoint import (
     read_record,
 )
 from cram.train.compilation import compile_reason, is_compiled
-from cram.train.curves import write_training_curves
+from cram.train.curves import CheckpointCurves, write_training_curves
 from cram.train.layout import (
     UNIVERSAL_FOLDER,
     BatchSplit,
@@ -251,10 +251,10 @@ class RunSession:
         and card (`card`: the recipe's facts for it), and pushed.
 
         Checkpoints: periodic training states, and one at each step in `states_at`, each followed by the curves
-        plot. Without `revisions_at`, --push-checkpoints pushes each state's model to the Hub revision named for its
-        folder; with it, the model is exported at those steps to OUTPUT_DIR/revisions/stepN (step 0: before
-        training, in a fresh run), and --push-checkpoints pushes those as the revisions stepN, as the released Pythia
-        models have them."""
+        plot where the last was drawn minutes ago (`CheckpointCurves`). Without `revisions_at`, --push-checkpoints
+        pushes each state's model to the Hub revision named for its folder; with it, the model is exported at those
+        steps to OUTPUT_DIR/revisions/stepN (step 0: before training, in a fresh run), and --push-checkpoints pushes
+        those as the revisions stepN, as the released Pythia models have them."""
         checkpointer = self._start_checkpoints(tokenizer, card, revisions_at, states_at)
         finished = train(
             self.model, self.optimizer, batches, self.accelerator, clock, self.state, peak_lr=peak_lr,
@@ -275,9 +275,11 @@ class RunSession:
         if options.push_checkpoints:
             self.pusher = BackgroundPusher(options.push_to_hub, private=not options.hub_public)
 
+        curves = CheckpointCurves(self.output_dir / CURVES_FILE)
+
         def after_save(state: TrainState, saved: Path) -> None:
             if self.is_main_process:
-                write_training_curves(state.history, self.output_dir / CURVES_FILE)
+                curves.after_checkpoint(state.history)
             if options.push_checkpoints and revisions_at is None:
                 self._push_checkpoint_model(state, tokenizer, card, saved.name)
 
