@@ -10,9 +10,9 @@ from pathlib import Path
 CURVES = (("loss", "loss"), ("lr", "learning rate"), ("batch_size", "batch (sequences)"),
           ("tokens_per_second", "tokens/s"))
 AXES = (("step", "optimizer step"), ("elapsed", "training time (s)"))
-# The curves are redrawn after a checkpoint at most this often. Drawing takes about a second of the main process,
-# which every other process then waits for at its next collective, and a run checkpointed every few steps would
-# pay it each time; the end of the run always draws them.
+# The curves are redrawn after a checkpoint at most this often: matplotlib lays out every tick and label of the eight
+# plots on the main process, which every other process then waits for at its next collective, and a run checkpointed
+# every few steps would pay that each time. The end of the run always draws them.
 REDRAW_SECONDS = 300.0
 
 
