@@ -17,7 +17,7 @@ from cram.data.causal import load_causal_data
 from cram.data.megatron import tokenized_documents, write_megatron
 from cram.data.tokenizer import train_byte_level_bpe
 from cram.errors import UserError
-from cram.eval.causal_lm import heldout_loss, run_lm_eval
+from cram.eval.causal_lm import heldout_loss, run_lm_eval, tasks_index
 from cram.models.pythia_model import pythia_config
 
 
@@ -87,6 +87,8 @@ def local_task(tmp_path_factory, english_texts) -> Path:
         "  - metric: perplexity\n    aggregation: perplexity\n    higher_is_better: false\n"
         "  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
     )
+    # A group of the folder's own that lists a task of lm-eval's registry.
+    (folder / "cram_local_group.yaml").write_text("group: cram_local_group\ntask:\n  - lambada_openai\n")
     return folder
 
 
@@ -125,6 +127,17 @@ def test_lm_eval_scores_a_local_task_as_the_models_own_likelihoods_give(checkpoi
 def test_an_unknown_lm_eval_task_is_refused(checkpoint, local_task):
     with pytest.raises(UserError, match="lm-eval knows no task no_such_task"):
         run_lm_eval(checkpoint / "model", ["no_such_task"], include_path=local_task)
+
+
+@pytest.mark.slow  # as above: the same index of the registry and the folder, built once in this process
+def test_tasks_all_in_the_include_path_are_looked_up_without_lm_evals_registry(local_task):
+    own = tasks_index(["cram_local_lambada"], str(local_task))
+    assert sorted(own.all_tasks) == ["cram_local_group", "cram_local_lambada"]
+    # A task of the registry asked for beside it, or a group of the folder's whose tasks are the registry's: the
+    # registry is indexed too.
+    for tasks in (["cram_local_lambada", "lambada_openai"], ["cram_local_group"]):
+        index = tasks_index(tasks, str(local_task))
+        assert {"cram_local_lambada", "lambada_openai"} <= set(index.all_tasks), tasks
 
 
 def test_the_checkpoint_tokenizer_round_trips(checkpoint, english_texts):

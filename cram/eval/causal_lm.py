@@ -66,12 +66,22 @@ def heldout_loss(
 
 
 @functools.cache
-def task_manager(include_path: str | None):
-    """lm-eval's task index, with the tasks in `include_path`: built once a process, as building it reads every
-    task's YAML in lm-eval's registry (the slow part of a call; more than 10 s on a 2-core CPU)."""
+def task_manager(include_path: str | None, registry: bool = True):
+    """lm-eval's task index, with the tasks in `include_path` and, with `registry`, lm-eval's own: built once a
+    process, as indexing the registry reads every task's YAML in it (the slow part of a call)."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=include_path)
+    return TaskManager(include_path=include_path, include_defaults=registry)
+
+
+def tasks_index(tasks: list[str], include_path: str | None):
+    """The index that `tasks` are looked up in: `include_path`'s alone where it holds each of them as a task of its
+    own (a group there may list the registry's tasks), else with lm-eval's registry as well."""
+    if include_path:
+        own = task_manager(include_path, registry=False)
+        if set(tasks) <= set(own.all_subtasks):  # tasks, not groups or tags
+            return own
+    return task_manager(include_path)
 
 
 def run_lm_eval(
@@ -80,7 +90,7 @@ def run_lm_eval(
 ) -> dict[str, dict[str, float]]:
     """Score `checkpoint` on lm-eval `tasks` (zero-shot); {task: {metric: value}} with lm-eval's metric names."""
     lm_eval = import_optional("lm_eval", package="lm-eval", extra="lm-eval", purpose="scoring lm-eval --tasks")
-    manager = task_manager(str(include_path) if include_path else None)
+    manager = tasks_index(tasks, str(include_path) if include_path else None)
     unknown = [task for task in tasks if task not in manager.all_tasks]
     if unknown:
         raise UserError(f"lm-eval knows no task {', '.join(unknown)}: check the name, or give the folder of its YAML "
