@@ -64,7 +64,8 @@ class CheckpointCurves:
 
     def after_checkpoint(self, history: list[dict]) -> Path | None:
         """Redraw into `path` if it is time; None where it is not, or nothing is logged."""
-        if self.clock() - self.drawn_at < self.every_seconds:
+        now = self.clock()
+        if now - self.drawn_at < self.every_seconds:
             return None
-        self.drawn_at = self.clock()
+        self.drawn_at = now
         return write_training_curves(history, self.path)
