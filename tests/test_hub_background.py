@@ -168,7 +168,11 @@ def test_training_finishes_while_checkpoint_uploads_wait_and_the_final_push_foll
                    "--checkpoint-every", "1", "--push-checkpoints"]
         with started(command, env={**env, "HF_ENDPOINT": hub.endpoint}) as recipe:
             try:
-                # The summary is written once the last step is done; the first checkpoint's upload is still held.
+                # The first checkpoint's upload reaches the Hub and is held there; the summary is written once the last
+                # step is done, while it is still held. (Its commit is waited for, not assumed: the background push
+                # can reach the Hub after the three steps, and asserting it had made the test fail on a slow machine.)
+                wait_until(lambda: hub.commits_started() == 1, recipe, RUN_GUARD_SECONDS,
+                           what="the first checkpoint's upload held at the Hub")
                 wait_until((tmp_path / "summary.json").exists, recipe, RUN_GUARD_SECONDS,
                            what="training past a held checkpoint upload")
                 assert hub.commits_started() == 1 and recipe.poll() is None
