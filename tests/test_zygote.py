@@ -1,5 +1,5 @@
 """A program forked by the tests' zygote (tests/zygote.py) behaves, seen from the test and from its own code, as the
-same program in a fresh interpreter: arguments, environment, working directory, import path, streams, exit status,
+same program in a fresh interpreter: arguments, environment, working directory, CPUs, import path, streams, exit status,
 signals, atexit handlers and threads; killing the stand-in kills the program; an environment the zygote did not import
 under gets a fresh interpreter."""
 
@@ -26,7 +26,7 @@ def late():
 threading.Thread(target=late).start()
 print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "marker": os.environ.get("MARKER"),
                   "main": __name__, "file": globals().get("__file__"), "line_buffered": sys.stdout.line_buffering,
-                  "torch_loaded": "torch" in sys.modules, "pid": os.getpid()}))
+                  "torch_loaded": "torch" in sys.modules, "pid": os.getpid(), "cpus": sorted(os.sched_getaffinity(0))}))
 sys.exit(int(os.environ.get("STATUS", "0")))
 """
 
@@ -51,15 +51,21 @@ def test_a_forked_script_sees_what_a_fresh_interpreter_would(tmp_path, forking_e
     script.write_text(REPORT)
     env = {**forking_env, "MARKER": "seen", "STATUS": "3"}
     before = len(fresh_starts())
-    forked = run([sys.executable, "-u", script.name, "a b", "--c"], cwd=tmp_path, env=env)
-    fresh = run([sys.executable, "-u", script.name, "a b", "--c"], cwd=tmp_path, env=env, fresh=True)
+    # On one CPU, as a scheduler's binding leaves a task: a fresh program inherits it, and so must a forked one.
+    cpus = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cpus)})
+    try:
+        forked = run([sys.executable, "-u", script.name, "a b", "--c"], cwd=tmp_path, env=env)
+        fresh = run([sys.executable, "-u", script.name, "a b", "--c"], cwd=tmp_path, env=env, fresh=True)
+    finally:
+        os.sched_setaffinity(0, cpus)
     assert len(fresh_starts()) == before  # the first ran in the zygote: torch came loaded
     reports = [json.loads(completed.stdout) for completed in (forked, fresh)]
     assert reports[0].pop("torch_loaded") and not reports[1].pop("torch_loaded")
     assert reports[0].pop("pid") != reports[1].pop("pid")
     assert reports[0] == reports[1] == {
         "argv": [script.name, "a b", "--c"], "cwd": str(tmp_path), "path0": str(tmp_path), "marker": "seen",
-        "main": "__main__", "file": str(script), "line_buffered": False}
+        "main": "__main__", "file": str(script), "line_buffered": False, "cpus": [min(cpus)]}
     for completed in (forked, fresh):
         assert completed.returncode == 3
         assert completed.stderr.splitlines() == ["thread joined", "atexit ran"]

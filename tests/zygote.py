@@ -3,8 +3,8 @@
 Starting Python here costs about 10 CPU-seconds before a recipe does any work (torch, transformers, Accelerate,
 DeepSpeed), and the suite starts over a hundred such processes, a recipe's ranks included. A zygote imports them
 once, then forks a child per program, which runs it as `python [-u] SCRIPT | -m MODULE | -c CODE ARGS...` would: a
-fresh `__main__`, the program's arguments, environment, working directory, standard streams and signals, and its
-exit status passed back to the process that asked (`tests/zygote_shim.py`, which stands in for the interpreter, so
+fresh `__main__`, the program's arguments, environment, working directory, CPUs, standard streams and signals, and
+its exit status passed back to the process that asked (`tests/zygote_shim.py`, which stands in for the interpreter, so
 the program's pid, signals and status behave as a fresh interpreter's would for the test and for torchrun).
 
 A child is what a fresh interpreter would be only where the environment agrees with the one the zygote imported
@@ -349,6 +349,8 @@ def become(request: dict) -> None:
         os.dup2(fd, target)
         os.close(fd)
     os.chdir(request["cwd"])
+    # The CPUs the stand-in may run on (a scheduler's binding), which a program it had exec'd would inherit.
+    os.sched_setaffinity(0, request["cpus"])
     os.environ.clear()
     os.environ.update(request["env"])
     for variable, apply in request["rereads"].items():

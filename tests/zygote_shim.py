@@ -91,7 +91,7 @@ def main() -> None:
     try:
         connection.connect(path)
         request = {"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd(),
-                   "executable": os.path.abspath(sys.argv[0])}
+                   "executable": os.path.abspath(sys.argv[0]), "cpus": sorted(os.sched_getaffinity(0))}
         socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
         reader = connection.makefile("rb")
         answer = json.loads(reader.readline())
