@@ -97,11 +97,14 @@ bench-data: setup
 	$(BIN)/python -m cram.bench.data
 
 # A recipe under a launch config, here with `accelerate launch`; with SLURM=1 as a Slurm job instead, written into the
-# run folder and submitted (cram/slurm.py: nodes and GPUs from the config, requeued until done, --resume auto).
+# run folder and submitted (cram/slurm.py: nodes, GPUs and CPUs from the config, requeued on the time limit's notice
+# until done, --resume auto; a second submission of the run waits for the first).
 # TIME_LIMIT: the job's limit (e.g. 48:00:00; a longer run goes on in requeued jobs), unset the partition's;
-# SBATCH: more #SBATCH options, e.g. SBATCH="--partition=gpu --account=lab".
+# SBATCH: more #SBATCH options, e.g. SBATCH="--partition=gpu --account=lab"; SLURM_OPTIONS: more options of
+# `python -m cram.slurm`, e.g. SLURM_OPTIONS="--memory 200G --cpus-per-process 8 --setup 'module load cuda/12.4'".
 recipe_command = $(if $(SLURM),$(BIN)/python -m cram.slurm --submit --config $(1) $(if $(TIME_LIMIT),--time-limit \
-	$(TIME_LIMIT)) $(foreach option,$(SBATCH),--sbatch=$(option)) $(2),$(BIN)/accelerate launch -q --config_file $(1) $(2))
+	$(TIME_LIMIT)) $(foreach option,$(SBATCH),--sbatch=$(option)) $(SLURM_OPTIONS) $(2),$(BIN)/accelerate launch -q \
+	--config_file $(1) $(2))
 
 cram-1gpu: setup
 	$(call recipe_command,accel_configs/1gpu.yaml,recipes/cram.py --budget 24h --output-dir runs/cram)

@@ -3,23 +3,29 @@
     python -m cram.slurm --config accel_configs/2node.yaml --time-limit 48:00:00 --submit \\
         recipes/pythia.py --size pythia-1b --data pile/document --output-dir runs/pythia-1b-2node
 
-The job asks for the config's machines as nodes (`num_machines`) and its processes per machine as GPUs per node,
-runs one `accelerate launch` per node through `srun` with the node's rank, and meets at the first node's address as
-Slurm gives it (`scontrol show node`: node names need not resolve) on a port derived from the job id, so two jobs
-sharing a node do not collide. It carries `--resume auto`: every start continues from the newest complete state in
-the run folder, where the job's output goes too. Before the time limit, Slurm signals the batch shell `grace`
-seconds early (`--signal=B:TERM@grace`); the shell passes SIGTERM to the training processes, which save their state
-and stop, and the job requeues itself. A job that ends without saving a newer state (a refused argument, a crash
-before any checkpoint) is not requeued, so it cannot loop.
+The job asks for the config's machines as nodes and one Slurm task per training process (`--ntasks-per-node`, a GPU
+and `--cpus-per-task` CPUs each; whole nodes for a CPU config), and srun starts each task as its rank through
+`python -m cram.slurm_rank`, with no launcher between Slurm and the ranks. The ranks meet at the first node's
+address as the other nodes resolve it, on a port derived from the job id, so two jobs sharing a node do not
+collide. It carries `--resume auto`: every start continues from the newest complete state in the run folder, where
+the job's output goes too.
+
+Stopping: `grace` seconds before the time limit Slurm sends every training process SIGUSR1 (`--signal=USR1@grace`),
+and a preemption sends them SIGTERM: they save their state and stop, and the script requeues the job. A plain
+`scancel` (Slurm's SIGTERM to the batch shell as well) stops the job for good, and so does a failure: a job that
+was not stopped by a notice is never requeued, so it cannot loop. One run folder trains in one job at a time
+(`--dependency=singleton` on a name of the folder's, and a lock in it).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import textwrap
@@ -29,7 +35,8 @@ from pathlib import Path
 import yaml
 
 from cram.errors import UserError, run_cli
-from cram.train.checkpoint import STATE_FILE, WRITE_SECONDS, complete_checkpoints
+from cram.train.checkpoint import STATE_FILE, STOP_RECORD, WRITE_SECONDS, complete_checkpoints
+from cram.train.run_options import default_num_workers
 
 # The grace before the time limit: the slowest measured state write, twice (a shared file system is slower on a
 # busy day), plus the micro-batch in flight, which ends before the state is written, plus this margin for the
@@ -37,8 +44,12 @@ from cram.train.checkpoint import STATE_FILE, WRITE_SECONDS, complete_checkpoint
 GRACE_WRITES = 2
 GRACE_MARGIN_SECONDS = 60
 # With no state of the run written yet, the grace rests on this bound of one state write, which the job states in
-# its script: write the script again after the first checkpoint to size it from the measured write.
+# its script; each later start sizes the notice again from the writes measured by then.
 UNMEASURED_WRITE_BOUND_SECONDS = 300
+# The time limit's notice: a signal of its own, which nothing but Slurm's notice sends (a plain scancel sends SIGTERM).
+NOTICE_SIGNAL = "USR1"
+# Requeues in a row after starts that saved no newer state (a notice during the start-up, say), before the job ends.
+NO_PROGRESS_REQUEUES = 2
 # The main process's port: PORT_BASE + the job id modulo PORT_SPAN, so jobs on one node collide only when their ids
 # are a multiple of PORT_SPAN apart; above the well-known ports and below Linux's ephemeral range (32768-60999).
 PORT_BASE = 12000
@@ -130,9 +141,16 @@ def grace_seconds(run_dir: str | Path, write_bound: float | None = None) -> tupl
         write, source = measured, f"the slowest measured in {run_dir}"
     else:
         write = UNMEASURED_WRITE_BOUND_SECONDS if write_bound is None else write_bound
-        source = (f"a stated bound, as {run_dir} has no state written yet: write the script again after its first "
-                  "checkpoint to size the notice from the measured write")
+        source = (f"a stated bound, as {run_dir} has no state written yet; each later start of the job sizes the "
+                  "notice again from the writes measured by then")
     return notice_seconds(write, micro_batch, source)
+
+
+def measured_grace_seconds(run_dir: str | Path) -> int | None:
+    """The notice sized from the run's measured state writes; None before its first state."""
+    if checkpoint_write_seconds(run_dir) is None:
+        return None
+    return grace_seconds(run_dir)[0]
 
 
 def notice_seconds(write_seconds: float, micro_batch_seconds: float, source: str) -> tuple[int, str]:
@@ -184,91 +202,224 @@ def time_limit_seconds(limit: str) -> int:
     return int(first) * 60
 
 
+def job_name(run_dir: str | Path) -> str:
+    """The job's name: the run folder's, with a digest of its absolute path, so that `--dependency=singleton` holds
+    back a second job of this run and no job of another run that shares the folder's name."""
+    absolute = str(Path(run_dir).resolve())
+    folder = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(absolute).name)
+    return f"cram-{folder}-{hashlib.sha256(absolute.encode()).hexdigest()[:8]}"
+
+
+def sbatch_path(path: str | Path, pattern: str = "") -> str:
+    """A path (then `pattern`, a file name with sbatch's `%j` and friends) as an #SBATCH option's value: the path's
+    own `%` doubled, and quoted for sbatch's word splitting."""
+    text = str(path).replace("%", "%%") + pattern
+    if any(character in text for character in ' \t"\\'):
+        return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return text
+
+
+def cpus_per_process(layout: Layout, arguments: list[str]) -> int | None:
+    """The CPUs each process asks for: the training process's own thread, its data loader's workers (the recipe's
+    --num-workers, else its default on a GPU) and one more for the threads beside them (pinning memory, the
+    compiler's workers at the start). None for a CPU config, which takes whole nodes and shares their CPUs."""
+    if not layout.gpus:
+        return None
+    workers = default_num_workers("cuda")
+    for index, argument in enumerate(arguments):
+        if argument in ("--num-workers", "--num_workers") and index + 1 < len(arguments):
+            workers = int(arguments[index + 1])
+        elif argument.startswith(("--num-workers=", "--num_workers=")):
+            workers = int(argument.split("=", 1)[1])
+    return workers + 2
+
+
 def job_script(
     recipe: str, arguments: list[str], accelerate_config: str, *, time_limit: str | None, grace: int,
-    grace_reason: str = "", job_name: str | None = None, sbatch_options: list[str] = (),
-    accelerate: str | None = None, workdir: str | Path | None = None,
+    grace_reason: str = "", grace_measured: bool = True, name: str | None = None, sbatch_options: list[str] = (),
+    python: str | None = None, workdir: str | Path | None = None, cpus: int | None = None, memory: str | None = None,
+    setup: list[str] = (),
 ) -> str:
-    """The batch script that runs `recipe ARGUMENTS --resume auto` under `accelerate_config` on its nodes, with the
-    notice `grace` seconds before `time_limit` (None: the partition's default limit)."""
+    """The batch script that runs `recipe ARGUMENTS --resume auto` under `accelerate_config` on its nodes, one Slurm
+    task per training process, with the notice `grace` seconds before `time_limit` (None: the partition's default
+    limit). `grace_measured`: later starts size the notice again from the run's measured state writes. `cpus`: each
+    process's CPUs (default `cpus_per_process`); `memory`: sbatch --mem; `setup`: shell lines run before the
+    training (a `module load`, a virtual environment activated)."""
     layout = read_layout(accelerate_config)
     arguments = with_resume_auto(arguments)
     run_dir = recipe_output_dir(arguments)
     if time_limit is not None and grace >= time_limit_seconds(time_limit):
         raise UserError(f"--time-limit {time_limit} leaves no time to train before the {grace} s notice the state "
                         "write needs: give a longer limit.")
-    accelerate = accelerate or str(Path(sys.executable).with_name("accelerate"))
+    if cpus is not None and cpus < 1:
+        raise UserError(f"--cpus-per-process {cpus} is not a positive number of CPUs: give one, e.g. 8.")
+    python = python or sys.executable
     workdir = Path(workdir or Path.cwd()).resolve()
-    name = job_name or Path(run_dir).name
+    cpus = cpus if cpus is not None else cpus_per_process(layout, arguments)
+    dependency = [option for option in sbatch_options if option.startswith("--dependency=")]
     directives = [
-        f"--job-name={name}",
+        f"--job-name={name or job_name(run_dir)}",
         f"--nodes={layout.nodes}",
-        "--ntasks-per-node=1",
+        f"--ntasks-per-node={layout.processes_per_node}",
+        f"--cpus-per-task={cpus}" if cpus is not None else "--exclusive",
         *([f"--gpus-per-node={layout.processes_per_node}"] if layout.gpus else []),
+        *([f"--mem={memory}"] if memory else []),
         *([f"--time={time_limit}"] if time_limit is not None else []),
         "--requeue",
-        f"--signal=B:TERM@{grace}",
+        f"--signal={NOTICE_SIGNAL}@{grace}",
+        # One job of a run at a time: a second submission waits for the first to end.
+        ",".join([*dependency[-1:], "singleton"]) if dependency else "--dependency=singleton",
         "--open-mode=append",
-        f"--output={run_dir}/slurm-%j.out",
-        f"--chdir={workdir}",
-        *sbatch_options,
+        f"--output={sbatch_path(run_dir, '/slurm-%j.out')}",
+        f"--chdir={sbatch_path(workdir)}",
+        *[option for option in sbatch_options if not option.startswith("--dependency=")],
     ]
-    # `bash -c` runs on each node, where $SLURM_NODEID is that node's rank; the rest is this shell's words.
-    launch = " ".join(shlex.quote(part) for part in [
-        accelerate, "--config_file", accelerate_config, "--num_machines", str(layout.nodes),
+    # Each task runs `python -m cram.slurm_rank` as its rank: the variables `accelerate launch` would set, then the
+    # recipe, with no launcher between Slurm and the rank.
+    task = " ".join(shlex.quote(part) for part in [
+        "-m", "cram.slurm_rank", "--config_file", accelerate_config, "--num_machines", str(layout.nodes),
         "--num_processes", str(layout.processes)])
-    launch += ' --main_process_ip "$MAIN_ADDR" --main_process_port "$MAIN_PORT" '
-    launch += " ".join(shlex.quote(part) for part in [recipe, *arguments])
-    quoted_run = shlex.quote(str(run_dir))
+    task += ' --machine_rank "$SLURM_NODEID" --main_process_ip "$MAIN_ADDR" --main_process_port "$MAIN_PORT" '
+    task += " ".join(shlex.quote(part) for part in [recipe, *arguments])
+    notice_signals = f"{signal.SIGUSR1:d} {signal.SIGTERM:d}"  # the time limit's notice, a preemption
+    task_cpus = str(cpus) if cpus is not None else f'"$(( SLURM_CPUS_ON_NODE / {layout.processes_per_node} ))"'
     grace_comment = "".join(f"\n# {line}" for line in textwrap.wrap(
         f"The notice before the time limit: {grace_reason}.", 114)) if grace_reason else ""
+    setup_lines = "\n".join(setup)
     return f"""#!/bin/bash
 # {recipe} under {accelerate_config} on {layout.nodes} node(s) × {layout.processes_per_node} process(es), written by
 # `python -m cram.slurm`; submit it with sbatch (or write and submit it with --submit).{grace_comment}
 {chr(10).join(f"#SBATCH {directive}" for directive in directives)}
 set -uo pipefail
 
-RUN={quoted_run}
-newest_state() {{ ls -d "$RUN"/checkpoints/step-*/{STATE_FILE} 2>/dev/null | sort | tail -n 1; }}
-STATE_AT_START=$(newest_state)
-# The first node's address as Slurm has it (node names need not resolve), and a port of this job's own.
-MAIN_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-MAIN_ADDR=$(scontrol show node "$MAIN_NODE" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')
-MAIN_PORT=$(( {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} ))
+RUN={shlex.quote(str(run_dir))}
+PYTHON={shlex.quote(python)}
+SUBMITTED_GRACE={grace}
+STATE_FILE={STATE_FILE}
+STARTED_AT=$(date +%s)
+say() {{ echo "job $SLURM_JOB_ID: $*"; }}
 echo "job $SLURM_JOB_ID, restart ${{SLURM_RESTART_COUNT:-0}}: {layout.nodes} node(s) ($SLURM_JOB_NODELIST)," \\
-  "main process at $MAIN_ADDR:$MAIN_PORT"
+  "$SLURM_NTASKS_PER_NODE process(es) per node, $SLURM_CPUS_ON_NODE CPU(s) on the first"
+{f"# The site's set-up, as given (--setup).{chr(10)}{setup_lines}{chr(10)}" if setup else ""}
+# One job trains a run at a time: a second job of this run folder (another name, or started by hand) stops here.
+exec 9>>"$RUN/.slurm-job.lock"
+if command -v flock >/dev/null && ! flock --nonblock 9; then
+  say "job $(cat "$RUN/.slurm-job.owner" 2>/dev/null) is training $RUN already: cancel one of the two, or give" \\
+    "this one another --output-dir"
+  exit 2
+fi
+echo "$SLURM_JOB_ID" > "$RUN/.slurm-job.owner"
 
-# torchrun's agent on each node passes the SIGTERM to its processes and kills them this many seconds later (30 by
-# default): the notice's length, so they have the time to write the state.
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={grace}
-srun --nodes={layout.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 \\
-  bash -c 'exec "$0" launch --machine_rank "$SLURM_NODEID" "$@"' \\
-  {launch} &
+newest_state() {{ ls -d "$RUN"/checkpoints/step-*/"$STATE_FILE" 2>/dev/null | sort | tail -n 1; }}
+STATE_AT_START=$(newest_state)
+
+# The first node's address as the other nodes reach it: Slurm's NodeAddr may be a name that resolves to loopback on
+# the node itself (Debian's 127.0.1.1), so a second node resolves it; and a port of this job's own.
+MAIN_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+NODE_ADDR=$(scontrol show node "$MAIN_NODE" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')
+if [ "$SLURM_JOB_NUM_NODES" -gt 1 ]; then
+  PEER_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 2p)
+  MAIN_ADDR=$(srun --nodes=1 --ntasks=1 --overlap --nodelist="$PEER_NODE" getent ahostsv4 "$NODE_ADDR" 9>&- |
+              awk 'NR == 1 {{ print $1 }}')
+  if [ -z "$MAIN_ADDR" ]; then
+    say "the first node's address ${{NODE_ADDR:-(none)}} does not resolve on $PEER_NODE: ask your cluster's" \\
+      "administrators to set the nodes' NodeAddr in slurm.conf to addresses every node reaches"
+    exit 2
+  fi
+else
+  MAIN_ADDR=127.0.0.1
+fi
+MAIN_PORT=$(( {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} ))
+say "main process at $MAIN_ADDR:$MAIN_PORT ($MAIN_NODE, NodeAddr $NODE_ADDR)"
+
+# Slurm sends the notice ({NOTICE_SIGNAL}) to every training process itself, $SUBMITTED_GRACE s before the time
+# limit. Where the run's measured state writes now need a longer notice, this start sends it earlier itself.
+send_notice() {{
+  for attempt in 1 2 3 4 5; do
+    if timeout 30 scancel --signal={NOTICE_SIGNAL} "$SLURM_JOB_ID" 9>&-; then
+      say "notice ({NOTICE_SIGNAL}) sent to the training processes through Slurm (attempt $attempt)"
+      return 0
+    fi
+    sleep 10
+  done
+  say "the notice ({NOTICE_SIGNAL}) could not be sent through Slurm in 5 attempts: Slurm's own follows" \\
+    "$SUBMITTED_GRACE s before the limit"
+}}
+TIMER=
+if {"true" if grace_measured else "false"}; then
+  GRACE=$("$PYTHON" -c 'import sys; from cram.slurm import measured_grace_seconds as g; print(g(sys.argv[1]) or "")' \\
+          "$RUN" 2>/dev/null 9>&-)
+  END=$(squeue --noheader --jobs="$SLURM_JOB_ID" --format=%e 2>/dev/null 9>&-)
+  END=$(date -d "$END" +%s 2>/dev/null)
+  if [ -n "$GRACE" ] && [ -n "$END" ] && [ "$GRACE" -gt "$SUBMITTED_GRACE" ]; then
+    say "the run's measured state writes need a notice of $GRACE s: sent $GRACE s before the time limit"
+    {{ sleep $(( END - GRACE - $(date +%s) > 0 ? END - GRACE - $(date +%s) : 0 )) && send_notice; }} 9>&- &
+    TIMER=$!
+  fi
+fi
+
+# A SIGTERM here is Slurm ending the job (`scancel`, `scontrol requeue`, the time limit reached): the training
+# processes get their own, and this script does not requeue the job.
+ENDED_BY_SLURM=
+trap 'ENDED_BY_SLURM=1; say "SIGTERM: Slurm is ending the job, which this script does not requeue"' TERM
+srun --nodes={layout.nodes} --ntasks-per-node={layout.processes_per_node} --cpus-per-task={task_cpus} \\
+  --kill-on-bad-exit=1 "$PYTHON" {task} 9>&- &
 SRUN=$!
-# The time limit's notice reaches this shell alone (--signal=B:...). Pass SIGTERM to the training processes, not to
-# srun, which answers a SIGTERM by killing its tasks: `scancel --signal` without --full signals the job's steps only.
-# At most 5 s: where the job is ending already (`scontrol requeue` signals this shell too), scancel is told "Job can
-# not be altered now" and retries for a minute, which would hold the job's end and its requeue as long. Never in the
-# background: a scancel still retrying when the job comes back would stop its next start.
-trap 'echo "job $SLURM_JOB_ID: SIGTERM, passed to the training processes"
-      timeout 5 scancel --signal=TERM "$SLURM_JOB_ID"' TERM
 until wait "$SRUN"; ! kill -0 "$SRUN" 2>/dev/null; do :; done
 wait "$SRUN"
 STATUS=$?
-if [ "$STATUS" -eq 0 ]; then
-  exit 0
+[ -n "$TIMER" ] && kill "$TIMER" 2>/dev/null
+[ "$STATUS" -eq 0 ] && exit 0
+if [ -n "$ENDED_BY_SLURM" ]; then
+  say "stopped by Slurm (status $STATUS): not requeued; $RUN keeps the newest state"
+  exit "$STATUS"
 fi
-# Requeue only after progress: a newer state saved by this start (a stop on a signal, or periodic states before a
-# failure). A refused argument or a crash before any state ends the job with the recipe's status, never a loop.
-if [ "$(newest_state)" != "$STATE_AT_START" ]; then
-  echo "job $SLURM_JOB_ID: stopped (status $STATUS) with a newer state," \\
-    "$(dirname "$(newest_state)"): requeued to go on from it"
-  scontrol requeue "$SLURM_JOB_ID" || echo "job $SLURM_JOB_ID: Slurm is requeuing it already"
-  exit 0
+
+# Requeued only after the notice ({NOTICE_SIGNAL}) or a preemption (SIGTERM to the training processes alone), which the
+# recipe records on stopping, never after a failure; a start that saved no newer state is requeued at most
+# {NO_PROGRESS_REQUEUES} times in a row.
+NEWEST=$(newest_state)
+STOP_FILE="$RUN/checkpoints/{STOP_RECORD}"
+STOP=$(sed -n 's/.*"signal": \\([0-9]*\\).*/\\1/p' "$STOP_FILE" 2>/dev/null)
+STOPPED_AT=$(sed -n 's/.*"time": \\([0-9]*\\).*/\\1/p' "$STOP_FILE" 2>/dev/null)
+NO_PROGRESS="$RUN/.slurm-requeues-without-progress"
+if [ "${{STOPPED_AT:-0}}" -lt "$STARTED_AT" ] || [[ " {notice_signals} " != *" $STOP "* ]]; then
+  say "the recipe exited with status $STATUS and was not stopped by a notice: not requeued"
+  exit "$STATUS"
+elif [ "$NEWEST" != "$STATE_AT_START" ]; then
+  rm -f "$NO_PROGRESS"
+  reason="stopped by signal $STOP with a newer state, $(dirname "$NEWEST")"
+else
+  COUNT=$(( $(cat "$NO_PROGRESS" 2>/dev/null || echo 0) + 1 ))
+  if [ "$COUNT" -gt {NO_PROGRESS_REQUEUES} ]; then
+    say "stopped by signal $STOP before any newer state, {NO_PROGRESS_REQUEUES + 1} starts in a row: not requeued;" \
+      "resubmit it once the cause is found (its output is in $RUN)"
+    rm -f "$NO_PROGRESS"
+    exit "$STATUS"
+  fi
+  echo "$COUNT" > "$NO_PROGRESS"
+  reason="stopped by signal $STOP before any newer state ($COUNT of {NO_PROGRESS_REQUEUES} such requeues)"
 fi
-echo "job $SLURM_JOB_ID: the recipe exited with status $STATUS and saved no new state: not requeued"
-exit "$STATUS"
+for attempt in 1 2 3 4 5; do
+  if answer=$(timeout 30 scontrol requeue "$SLURM_JOB_ID" 2>&1); then
+    say "$reason: requeued to go on from it"
+    exit 0
+  fi
+  sleep 10
+done
+say "$reason, but Slurm refused to requeue it ($answer): resubmit the script to go on"
+exit 1
 """
+
+
+def queued_jobs(name: str) -> list[str]:
+    """The ids of this user's jobs named `name` still queued or running; empty where squeue cannot tell."""
+    try:
+        completed = subprocess.run(["squeue", "--noheader", "--me", f"--name={name}", "--format=%i"],
+                                   capture_output=True, text=True, check=False, timeout=60)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return []
+    return completed.stdout.split() if completed.returncode == 0 else []
 
 
 def submit(script: Path) -> str:
@@ -292,11 +443,25 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the job's time limit (sbatch --time), e.g. 48:00:00; unset: the partition's default. "
                              "A run longer than it continues in requeued jobs")
     parser.add_argument("--grace-seconds", type=int, default=None,
-                        help="the notice before the time limit; unset: sized from the run's measured state writes")
+                        help="the notice before the time limit; unset: sized from the run's measured state writes, "
+                             "again at every start of the job")
     parser.add_argument("--checkpoint-write-seconds", type=float, default=None,
                         help="a bound of one state write, for a run with no state written yet (default "
                              f"{UNMEASURED_WRITE_BOUND_SECONDS})")
-    parser.add_argument("--job-name", default=None, help="the job's name; unset: the run folder's")
+    parser.add_argument("--cpus-per-process", type=int, default=None,
+                        help="CPUs for each training process (sbatch --cpus-per-task); unset: its data loader's "
+                             "workers + 2 on GPUs, whole nodes (--exclusive) for a CPU config")
+    parser.add_argument("--memory", default=None,
+                        help="memory per node (sbatch --mem), e.g. 200G; unset: the partition's default")
+    parser.add_argument("--setup", action="append", default=[], metavar="LINE",
+                        help="a shell line the job runs before training, e.g. --setup 'module load cuda/12.4' or "
+                             "--setup 'source ~/venv/bin/activate' (repeat it)")
+    parser.add_argument("--python", default=None,
+                        help="the interpreter the training processes run; unset: this one. After a --setup that "
+                             "activates an environment, give `python`")
+    parser.add_argument("--job-name", default=None,
+                        help="the job's name; unset: cram-FOLDER-DIGEST of the run folder (one job of a run at a "
+                             "time waits on it, --dependency=singleton)")
     parser.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
                         help="one more #SBATCH line, e.g. --sbatch=--partition=gpu or --sbatch=--account=lab "
                              "(repeat it)")
@@ -317,8 +482,11 @@ def main(argv: list[str] | None = None) -> None:
         grace, reason = args.grace_seconds, f"{args.grace_seconds} s, as given (--grace-seconds)"
     else:
         grace, reason = grace_seconds(run_dir, args.checkpoint_write_seconds)
+    name = args.job_name or job_name(run_dir)
     text = job_script(args.recipe, args.arguments, args.config, time_limit=args.time_limit, grace=grace,
-                      grace_reason=reason, job_name=args.job_name, sbatch_options=args.sbatch)
+                      grace_reason=reason, grace_measured=args.grace_seconds is None, name=name,
+                      sbatch_options=args.sbatch, python=args.python, cpus=args.cpus_per_process,
+                      memory=args.memory, setup=args.setup)
     script = Path(args.script) if args.script else run_dir / "slurm-job.sh"
     script.parent.mkdir(parents=True, exist_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)  # Slurm opens the job's output there, and creates no folder
@@ -327,8 +495,12 @@ def main(argv: list[str] | None = None) -> None:
     staging.replace(script)
     print(f"wrote {script}; notice before the time limit: {reason}")
     if args.submit:
+        waiting_on = queued_jobs(name)
         job = submit(script)
         print(f"submitted job {job}; its output: {run_dir}/slurm-{job}.out")
+        if waiting_on:
+            print(f"job {', '.join(waiting_on)} of this run is queued or running already: job {job} waits for it to "
+                  "end (--dependency=singleton), then goes on from its newest state")
 
 
 if __name__ == "__main__":

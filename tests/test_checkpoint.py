@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import sys
+import time
 
 import pytest
+from accelerate import Accelerator
 
 from cram.errors import UserError, run_cli
 from cram.train.checkpoint import (
     STATE_FILE,
+    STOP_RECORD,
     Checkpointer,
     TiedCopiesNotWarned,
     check_same_run,
@@ -75,7 +79,7 @@ def test_checkpoints_fall_due_by_step_or_by_time_never_twice_for_one_step():
 
 @pytest.fixture
 def restored_signal_handlers():
-    handlers = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     yield
     for number, handler in handlers.items():
         signal.signal(number, handler)
@@ -95,6 +99,32 @@ def test_sigterm_asks_for_a_stop_however_often_it_comes(restored_signal_handlers
     signal.raise_signal(signal.SIGTERM)
     signal.raise_signal(signal.SIGTERM)  # a scheduler may repeat it: the state must still be saved
     assert preemption.requested and preemption.exit_status == 143
+
+
+def test_slurms_notice_asks_for_a_stop_and_stays_the_reason_when_sigterm_follows(restored_signal_handlers):
+    """SIGUSR1, a Slurm job's notice before its time limit (cram.slurm), stops the run as SIGTERM does; the first
+    signal is the reason the run gives, though Slurm's SIGTERM may follow it (srun ending the step once a rank
+    left)."""
+    preemption = Preemption().install()
+    signal.raise_signal(signal.SIGUSR1)
+    signal.raise_signal(signal.SIGTERM)
+    assert preemption.signal == signal.SIGUSR1 and preemption.exit_status == 138
+    signal.raise_signal(signal.SIGINT)  # Ctrl-C after a scheduler's stop: once asks, twice interrupts
+    with pytest.raises(KeyboardInterrupt):
+        signal.raise_signal(signal.SIGINT)
+
+
+def test_a_stopped_run_records_its_signal_step_and_time_beside_its_states(tmp_path, restored_signal_handlers):
+    """What a Slurm job reads to tell a stop on its notice or a preemption (requeued) from a failure (not)."""
+    accelerator = Accelerator(cpu=True)
+    checkpointer = Checkpointer(accelerator, tmp_path / "checkpoints", run={}, resumed_at=3)
+    preemption = Preemption().install()
+    signal.raise_signal(signal.SIGUSR1)
+    before = int(time.time())
+    checkpointer.stop(TrainState(optimizer_steps=3), preemption)  # step 3's state is saved: only the record
+    record = json.loads((tmp_path / "checkpoints" / STOP_RECORD).read_text())
+    assert record["signal"] == signal.SIGUSR1 and record["step"] == 3 and before <= record["time"] <= time.time()
+    assert not (tmp_path / "checkpoints" / "step-00000003").exists()
 
 
 def test_after_sigterm_a_stopped_run_leaves_at_once_with_what_it_printed_flushed(restored_signal_handlers):

@@ -18,6 +18,7 @@ from launching import ACCELERATE, accelerate_launch, run
 
 from cram.plan.days import ramp_steps, saves_in_budget, training_seconds_in_budget
 from cram.plan.launch import free_port
+from cram.plan.pick import HOST_MEMORY_MARGIN
 from cram.plan.sweep_length import LAUNCH_START_SECONDS
 from cram.slurm import requeued_jobs, slurm_time, time_limit_seconds
 
@@ -138,9 +139,12 @@ def test_the_pick_comes_with_a_slurm_job_script_split_under_the_clusters_time_li
     assert time_limit_seconds(job["time_limit"]) <= 7200
     script = Path(job["script"]).read_text()
     assert f"#SBATCH --time={job['time_limit']}" in script
-    assert f"#SBATCH --signal=B:TERM@{job['grace_seconds']}" in script
+    assert f"#SBATCH --signal=USR1@{job['grace_seconds']}" in script
+    # The node's memory from the pick's measured host peak, with the margin.
+    peak = winner["host_peak_bytes_per_node"]
+    assert peak > 0 and f"#SBATCH --mem={math.ceil(peak * HOST_MEMORY_MARGIN / 2**30)}G" in script
     assert f"--config_file {plan['winner']['accelerate_config']}" in script
     assert "recipes/cram.py --preset tiny --micro-batch-size 8" in script
-    assert "--output-dir runs/planned --resume auto &" in script
+    assert "--output-dir runs/planned --resume auto 9>&- &" in script
     assert f"sbatch {job['script']}" in completed.stdout and f"{jobs} requeued job(s)" in completed.stdout
     assert run(["bash", "-n", job["script"]], timeout=60).returncode == 0

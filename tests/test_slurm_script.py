@@ -20,22 +20,49 @@ def directives(script: str) -> list[str]:
     return [line.removeprefix("#SBATCH ") for line in script.splitlines() if line.startswith("#SBATCH ")]
 
 
-def test_the_script_asks_for_the_configs_nodes_and_gpus_and_requeues_with_resume_auto(tmp_path):
-    script = slurm.job_script("recipes/pythia.py", ["--size", "pythia-1b", "--output-dir", str(tmp_path / "run")],
-                              "accel_configs/2node.yaml", time_limit="48:00:00", grace=300)
+def test_the_script_asks_for_a_task_per_process_with_its_cpus_and_requeues_with_resume_auto(tmp_path):
+    run_dir = tmp_path / "run"
+    script = slurm.job_script("recipes/pythia.py", ["--size", "pythia-1b", "--output-dir", str(run_dir)],
+                              "accel_configs/2node.yaml", time_limit="48:00:00", grace=300, memory="200G",
+                              setup=["module load cuda/12.4", "source ~/venv/bin/activate"], python="python")
     asked = directives(script)
-    for directive in ("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=8", "--time=48:00:00", "--requeue",
-                      "--signal=B:TERM@300", f"--output={tmp_path / 'run'}/slurm-%j.out"):
+    for directive in ("--nodes=2", "--ntasks-per-node=8", "--cpus-per-task=4", "--gpus-per-node=8", "--mem=200G",
+                      "--time=48:00:00", "--requeue", "--signal=USR1@300", "--dependency=singleton",
+                      f"--job-name={slurm.job_name(run_dir)}", f"--output={run_dir}/slurm-%j.out"):
         assert directive in asked, asked
-    assert "--num_machines 2 --num_processes 16" in script and '--machine_rank "$SLURM_NODEID"' in script
-    assert "--output-dir " + str(tmp_path / "run") + " --resume auto &" in script
-    assert 'MAIN_PORT=$(( 12000 + SLURM_JOB_ID % 20000 ))' in script and "NodeAddr=" in script
-    one_gpu = directives(slurm.job_script("recipes/cram.py", ["--output-dir", "runs/x"], "accel_configs/4xa100.yaml",
-                                          time_limit=None, grace=90))
-    assert "--nodes=1" in one_gpu and "--gpus-per-node=4" in one_gpu and not any("--time" in d for d in one_gpu)
+    # One task per process, each its rank through cram.slurm_rank: no launcher, no agent between Slurm and the rank.
+    assert "srun --nodes=2 --ntasks-per-node=8 --cpus-per-task=4" in script and "accelerate launch" not in script
+    assert "PYTHON=python\n" in script and '"$PYTHON" -m cram.slurm_rank --config_file accel_configs/2node.yaml' \
+        in script
+    assert "--output-dir " + str(run_dir) + " --resume auto 9>&- &" in script
+    assert "module load cuda/12.4\nsource ~/venv/bin/activate\n" in script
+    assert script.index("module load") < script.index("srun ")
+    assert "MAIN_PORT=$(( 12000 + SLURM_JOB_ID % 20000 ))" in script and "getent ahostsv4" in script
+    one_gpu = directives(slurm.job_script("recipes/cram.py", ["--output-dir", "runs/x", "--num-workers", "6"],
+                                          "accel_configs/4xa100.yaml", time_limit=None, grace=90))
+    assert {"--nodes=1", "--ntasks-per-node=4", "--gpus-per-node=4", "--cpus-per-task=8"} <= set(one_gpu)
+    assert not any(d.startswith(("--time", "--mem")) for d in one_gpu)
     cpu = directives(slurm.job_script("recipes/cram.py", ["--output-dir", "runs/x"], "accel_configs/cpu-ddp.yaml",
                                       time_limit=None, grace=90))
-    assert not any("gpus" in directive for directive in cpu)
+    assert "--exclusive" in cpu and not any("gpus" in directive or "cpus" in directive for directive in cpu)
+    assert directives(slurm.job_script("recipes/cram.py", ["--output-dir", "runs/x"], "accel_configs/cpu-ddp.yaml",
+                                       time_limit=None, grace=90, cpus=3))[3] == "--cpus-per-task=3"
+    given = directives(slurm.job_script("recipes/cram.py", ["--output-dir", "runs/x"], "accel_configs/1gpu.yaml",
+                                        time_limit=None, grace=90, sbatch_options=["--dependency=afterok:7"]))
+    assert "--dependency=afterok:7,singleton" in given and given.count("--dependency=afterok:7,singleton") == 1
+
+
+def test_paths_with_spaces_and_percent_signs_reach_sbatch_and_the_shell_whole(tmp_path):
+    run_dir = tmp_path / "my run 50%"
+    script = slurm.job_script("recipes/cram.py", ["--output-dir", str(run_dir)], "accel_configs/1gpu.yaml",
+                              time_limit=None, grace=90, workdir=tmp_path / "work dir")
+    asked = directives(script)
+    assert f'--output="{tmp_path}/my run 50%%/slurm-%j.out"' in asked, asked
+    assert f'--chdir="{tmp_path}/work dir"' in asked
+    assert f"RUN='{run_dir}'" in script
+    assert slurm.job_name(run_dir).startswith("cram-my-run-50-") and " " not in slurm.job_name(run_dir)
+    # Two run folders of one name are two jobs' names: singleton holds back only a job of the same run.
+    assert slurm.job_name(tmp_path / "a" / "run") != slurm.job_name(tmp_path / "b" / "run")
 
 
 def write_state(run_dir: Path, step: int, write_seconds: float, seconds_per_micro_batch: float) -> None:
@@ -51,11 +78,13 @@ def test_the_notice_is_sized_from_the_runs_slowest_measured_state_write(tmp_path
     assert seconds == math.ceil(2 * slurm.UNMEASURED_WRITE_BOUND_SECONDS + slurm.GRACE_MARGIN_SECONDS)
     assert "a stated bound" in reason
     assert slurm.grace_seconds(tmp_path, write_bound=40)[0] == 2 * 40 + slurm.GRACE_MARGIN_SECONDS
+    assert slurm.measured_grace_seconds(tmp_path) is None
     write_state(tmp_path, 10, write_seconds=31.5, seconds_per_micro_batch=2.0)
     write_state(tmp_path, 20, write_seconds=12.25, seconds_per_micro_batch=2.5)
     seconds, reason = slurm.grace_seconds(tmp_path, write_bound=40)
     assert seconds == math.ceil(2 * 31.5 + 2.5 + slurm.GRACE_MARGIN_SECONDS)
     assert "31.5 s (the slowest measured" in reason
+    assert slurm.measured_grace_seconds(tmp_path) == seconds  # what each start of the job sizes its notice from
 
 
 def test_the_writer_refuses_in_one_sentence(tmp_path):

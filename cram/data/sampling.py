@@ -71,11 +71,11 @@ def stream_loader(
 
 
 def _ignore_stop_signals(worker_id: int) -> None:
-    """Workers leave SIGTERM/SIGINT to the training process.
+    """Workers leave the stop signals (SIGTERM, Slurm's notice SIGUSR1, SIGINT) to the training process.
 
-    A scheduler's SIGTERM, or Ctrl-C in a terminal, reaches the whole process group; a worker that died of it
+    A scheduler's signal reaches every process of the job, and Ctrl-C the whole process group; a worker that died of it
     would fail the next batch before the training process could save its state. Workers still stop when the
     loader shuts down or the training process dies.
     """
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for number in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(number, signal.SIG_IGN)

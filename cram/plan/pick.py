@@ -3,6 +3,7 @@ config pair and command, the days and cost said, the projection to other hardwar
 
 from __future__ import annotations
 
+import math
 import shlex
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,8 @@ from cram.plan.sweep_length import LAUNCH_START_SECONDS, LaunchLimits
 from cram.slurm import job_script, notice_seconds, requeued_jobs, slurm_time, time_limit_seconds
 
 # What `days` does not include yet: labelled in the table and the printed estimate.
+# The job's host memory over the peak the sweep measured: room for what its timed steps did not reach.
+HOST_MEMORY_MARGIN = 1.25
 LEFT_OUT_OF_DAYS = (
     "reading the run's own data: the probe reads the embedded corpus, prepared on disk (memory-mapped), with the "
     "run's loader workers; a Pythia run reads its --data, crammed-bert's default streams pile-readymade from the Hub",
@@ -97,6 +100,13 @@ def emit_winner(winner: dict, winning: Candidate, setting: Setting, shape: Shape
     return accelerate_file, command, [script, *shlex.split(" ".join(model_flags + flags + extra_flags))]
 
 
+def job_memory(winner: dict) -> str | None:
+    """The host memory a node of the pick's job asks for (sbatch --mem): its measured peak with a margin for what the
+    timed steps did not reach (the data loader's workers, a larger state to resume), in whole GiB."""
+    peak = winner.get("host_peak_bytes_per_node")
+    return None if not peak else f"{math.ceil(peak * HOST_MEMORY_MARGIN / 2**30)}G"
+
+
 def emit_job_script(winner: dict, accelerate_file: Path, recipe_words: list[str], run_dir: str, work_dir: Path,
                     time_limit: str) -> dict:
     """The Slurm batch script that runs the pick in `run_dir` (`work_dir/slurm-job.sh`): its notice before the time
@@ -111,7 +121,7 @@ def emit_job_script(winner: dict, accelerate_file: Path, recipe_words: list[str]
                                 start_seconds)
     recipe, *arguments = recipe_words
     text = job_script(recipe, [*arguments, "--output-dir", run_dir], str(accelerate_file),
-                      time_limit=slurm_time(limit), grace=grace, grace_reason=notice)
+                      time_limit=slurm_time(limit), grace=grace, grace_reason=notice, memory=job_memory(winner))
     script = work_dir / "slurm-job.sh"
     write_atomically(script, text)
     return {"script": str(script), "time_limit": slurm_time(limit), "jobs": jobs, "grace_seconds": grace,

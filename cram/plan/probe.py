@@ -17,6 +17,7 @@ import copy
 import gc
 import json
 import os
+import resource
 import shutil
 import sys
 import time
@@ -205,6 +206,10 @@ def time_steps(run: CandidateRun, gauge: MemoryGauge, micro_batch: int, warmup: 
         # Of the steps: the save's own memory is not counted.
         peak, outside = agree_max(run.accelerator, [gauge.peak(), gauge.outside_allocator])
         save_seconds = time_one_save(run, len(clock.marks) - 1)
+        # The node's host memory at its peak: the most any process held, for each process of the node (an upper
+        # bound, which a Slurm job asks for as --mem).
+        host_peak = agree_max(run.accelerator, [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024])[0]
+        host_peak_per_node = host_peak * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     finally:
         run.release()
     times = clock.timed()
@@ -223,6 +228,7 @@ def time_steps(run: CandidateRun, gauge: MemoryGauge, micro_batch: int, warmup: 
         "peak_memory_bytes": peak,
         "outside_allocator_bytes": outside,
         "save_seconds": save_seconds,
+        "host_peak_bytes_per_node": host_peak_per_node,
     }
 
 

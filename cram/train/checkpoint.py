@@ -13,6 +13,7 @@ import json
 import logging
 import re
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -31,6 +32,9 @@ from cram.train.state import TrainState
 OPTIONS_FILE = "cram_options.json"
 STATE_FILE = "cram_train_state.json"  # written last: a folder without it is not a checkpoint
 WRITE_SECONDS = "write_seconds"  # the STATE_FILE key of how long the training state took to write
+# In the checkpoints folder: the signal the run last stopped on, at which step and when (a Slurm job requeues only
+# after its time limit's notice or a preemption, cram.slurm).
+STOP_RECORD = "last-stop.json"
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
 
 
@@ -197,11 +201,18 @@ class Checkpointer:
         how to go on. The caller then leaves with `preemption.leave()`."""
         if self.last_saved_step != state.optimizer_steps:
             self.save_state(state)
+        if self.accelerator.is_main_process:
+            record = {"signal": int(preemption.signal), "step": state.optimizer_steps, "time": int(time.time())}
+            staging = self.directory / (STOP_RECORD + ".tmp")
+            self.directory.mkdir(parents=True, exist_ok=True)
+            staging.write_text(json.dumps(record) + "\n")
+            staging.replace(self.directory / STOP_RECORD)
         main_process = self.accelerator.is_main_process  # shut_down forgets which process this is
         shut_down(self.accelerator)
         if main_process:
             print(
-                f"\nstopped by signal {preemption.signal} at step {state.optimizer_steps}: the training state is in "
+                f"\nstopped by signal {preemption.signal} ({signal.Signals(preemption.signal).name}) at step "
+                f"{state.optimizer_steps}: the training state is in "
                 f"{self.directory}; continue with the same command and --resume auto",
                 file=sys.stderr,
             )
