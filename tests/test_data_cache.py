@@ -8,6 +8,7 @@ import dataclasses
 import importlib
 import json
 import os
+import shutil
 import signal
 import sys
 import sysconfig
@@ -182,6 +183,18 @@ def test_the_embedded_corpus_is_keyed_by_the_installation_not_the_path_that_reac
     assert corpus._environment_key() == direct
 
 
+def test_the_embedded_corpus_files_one_set_under_one_key_whatever_cache_holds_it(tmp_path, embedded_corpus):
+    """Machines with caches of their own each build the corpus, at their own time and perhaps in another folder: the
+    set made from it is filed under the same key on each, as it is the same text."""
+    for machine, modified in (("node-a", 1_000_000_000), ("node-b", 1_500_000_000)):
+        copy = tmp_path / machine / "cache" / "embedded" / embedded_corpus.name
+        copy.parent.mkdir(parents=True)
+        shutil.copyfile(embedded_corpus, copy)
+        os.utime(copy, (modified, modified))
+    options = DataOptions(sources=["embedded"], vocab_size=500)
+    assert key_of(options, tmp_path / "node-a" / "cache") == key_of(options, tmp_path / "node-b" / "cache")
+
+
 def test_processes_that_ask_for_the_embedded_corpus_at_once_build_it_once_and_see_one_file(tmp_path, monkeypatch):
     # The ranks of a launch on a fresh machine all ask for it. Two builds replacing each other would give the ranks
     # two modification times, so two data-set keys: the waiting rank would poll forever for a set never made.
@@ -315,7 +328,7 @@ def test_builders_on_two_machines_sharing_a_cache_build_once(tmp_path, corpus, m
         return prepare(options, cache_dir=tmp_path / "shared", num_proc=1, progress=False)
 
     first = machines.start("node-a", build)
-    wait_until(lambda: list((tmp_path / "shared").glob(".*.lock")), what="node-a's lock")
+    wait_until(lambda: machines.builds, what="node-a's build")
     second = machines.start("node-b", build)
     for thread in (first, second):
         thread.join(timeout=THREAD_GUARD_SECONDS)
