@@ -36,6 +36,7 @@ from cram.models.crammed_bert_recipe import CRAMMED_BERT_RECIPES, crammed_bert_r
 from cram.train.accelerator import local_main_first
 from cram.train.activation_checkpointing import enable_activation_checkpointing
 from cram.train.budget import BudgetClock, StepClock, budget_triangle, parse_budget
+from cram.train.data_agreement import check_same_data
 from cram.train.deepspeed_setup import check_optimizer_for_deepspeed, configure_deepspeed
 from cram.train.optim import Optimizer, build_adamw
 from cram.train.precision import enable_tf32
@@ -156,8 +157,8 @@ def sequences_per_micro_step(run: RecipeRun, micro_batch_size: int) -> int:
 def load_data(
     source: str, config: CrammedBertConfig, cache_dir: str | None, accelerator: Accelerator
 ) -> PreparedData | ReadymadeData:
-    """The prepared set: each machine's first process prepares it (or finds it cached) while the others wait;
-    or the ready-made one, streamed."""
+    """The prepared set: each machine's first process prepares it (or finds it cached, or waits for another
+    machine that shares the cache to finish it) while the others wait; or the ready-made one, streamed."""
     if source == READYMADE or is_readymade_folder(source):
         return open_readymade(source, cache_dir)  # reads footers only; the Hub client locks its downloads
     if source != "embedded" and is_prepared(source):
@@ -211,6 +212,7 @@ def main() -> None:
     # Build: data (cached, not counted against the budget), model, optimizer.
     config = crammed_bert_recipe(training.preset).model_config()
     data = load_data(data_source(training), config, implementation.cache_dir, accelerator)
+    check_same_data(accelerator, data.identity)  # every machine's set, prepared or found there, is rank 0's
     if run.is_main_process:
         print(describe_data(data))
     config.vocab_size = len(data.tokenizer)

@@ -4,7 +4,8 @@
 
 A SOURCE is a file (.txt .jsonl .json .parquet .csv, optionally .gz/.zst), a folder of them, a Hugging Face
 Hub dataset name (streamed), or `embedded` (the offline corpus); `NAME:WEIGHT` scales a source's share.
-The result (dataset/, tokenizer/, stats.json) is what `recipes/cram.py --data DIR` trains on.
+The result (dataset/, tokenizer/, stats.json, fingerprint.json) is what `recipes/cram.py --data DIR` trains on; the
+same sources and options give byte-identical blocks, tokenizer and statistics on any machine.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def main() -> None:
         f"{stats['documents_incompressible']:,} incompressible, {stats['invalid_utf8_skipped']:,} invalid UTF-8 "
         f"skipped; the trash filter kept {100 * stats['kept_fraction_after_trash_filter']:.1f} %); "
         f"{stats['tokens']:,} tokens ({stats['tokens_per_character']} per character) in "
-        f"{stats['blocks']:,} blocks of {stats['seq_len']}; {stats['seconds']} s."
+        f"{stats['blocks']:,} blocks of {stats['seq_len']}; {prepared.timings.get('seconds', 0)} s."
     )
     print(f"prepared set: {prepared.path}  (train on it with: recipes/cram.py --data {prepared.path})")
 

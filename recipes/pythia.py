@@ -58,6 +58,7 @@ from cram.train.accelerator import launch_device_type, local_main_first
 from cram.train.activation_checkpointing import enable_activation_checkpointing
 from cram.train.budget import StepClock
 from cram.train.checkpoint import read_checkpoint
+from cram.train.data_agreement import check_same_data
 from cram.train.deepspeed_setup import configure_deepspeed
 from cram.train.loss_scaling import fp16_loss_scaling
 from cram.train.optim import build_adamw
@@ -214,6 +215,7 @@ def main() -> None:
     # Other processes poll for the prepared data or index: no collective timeout while one process builds it.
     data = local_main_first(accelerator, lambda: load_causal_data(*data_arguments),
                             ready=lambda: causal_data_ready(*data_arguments))
+    check_same_data(accelerator, data.identity)  # every machine's data, prepared or found there, is rank 0's
     if run.is_main_process:
         print(f"data: {data.description}")
     if run.resume_from is not None and (resumed_at := read_checkpoint(run.resume_from)[0].optimizer_steps) > stop_at:

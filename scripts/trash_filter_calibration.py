@@ -44,7 +44,7 @@ def main() -> None:
     random.Random(0).shuffle(corpus)
     print(f"{len(corpus):,} documents, {sum(map(len, corpus)) / 1e6:.1f} M characters")
     for vocab_size in (8192, 32768):
-        tokenizer = train_wordpiece(iter(corpus), vocab_size, True, 10**9)
+        tokenizer = train_wordpiece(corpus, vocab_size, True, 10**9)
         for name, texts in parts.items():
             sample = texts[:arguments.documents]
             tokens = np.array([len(ids) for ids in tokenizer(sample, add_special_tokens=False)["input_ids"]])

@@ -49,7 +49,7 @@ def main() -> None:
     for size in (float(value) for value in arguments.sizes.split(",")):
         vocabularies = []
         for half in halves:
-            vocabulary = train_wordpiece(iter(first_characters(half, size)), VOCAB_SIZE, True, 10**9).get_vocab()
+            vocabulary = train_wordpiece(first_characters(half, size), VOCAB_SIZE, True, 10**9).get_vocab()
             vocabularies.append(sorted(vocabulary, key=vocabulary.get))
         first, second = vocabularies
         common = len(set(first) & set(second)) / max(len(first), len(second))

@@ -72,7 +72,7 @@ def test_min_chars_drops_short_documents():
 
 
 def test_normaliser_lowercases_and_strips_accents(english_texts):
-    tokenizer = train_wordpiece(iter(english_texts[:100] + ["café naïve"] * 5), 400, True, 128)
+    tokenizer = train_wordpiece(english_texts[:100] + ["café naïve"] * 5, 400, True, 128)
     assert tokenizer.decode(tokenizer("Café NAÏVE", add_special_tokens=False)["input_ids"]) == "cafe naive"
-    cased = train_wordpiece(iter(english_texts[:100] + ["Café"] * 5), 400, False, 128)
+    cased = train_wordpiece(english_texts[:100] + ["Café"] * 5, 400, False, 128)
     assert "é" in cased.decode(cased("Café", add_special_tokens=False)["input_ids"])

@@ -13,7 +13,7 @@ SEP_ID = 3
 
 
 def test_a_long_document_read_in_windows_gets_the_ids_of_the_whole(english_texts):
-    tokenizer = train_wordpiece(iter(english_texts[:300]), 2000, True, 128, False).backend_tokenizer
+    tokenizer = train_wordpiece(english_texts[:300], 2000, True, 128, False).backend_tokenizer
     book = "\n\n".join(english_texts)
     documents = english_texts[:50] + [book] + english_texts[50:100]
     whole = np.concatenate([np.array([*encoding.ids, SEP_ID], dtype=np.uint16)

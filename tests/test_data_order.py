@@ -19,7 +19,7 @@ FIRST_MARKER = 1000  # document i is made of the id FIRST_MARKER + i (never a se
 @pytest.fixture(scope="module")
 def tokenizer_folder(tmp_path_factory, english_texts):
     folder = tmp_path_factory.mktemp("order-tokenizer")
-    train_wordpiece(iter(english_texts[:100]), 2000, True, SEQ_LEN).save_pretrained(folder)
+    train_wordpiece(english_texts[:100], 2000, True, SEQ_LEN).save_pretrained(folder)
     return folder
 
 

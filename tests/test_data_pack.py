@@ -56,7 +56,7 @@ def test_packed_stream_is_each_document_then_sep(tmp_path, documents_file, engli
 
 
 def test_parallel_tokenizing_gives_the_same_stream(tmp_path, english_texts):
-    tokenizer = train_wordpiece(iter(english_texts[:400]), 2000, True, 32)
+    tokenizer = train_wordpiece(english_texts[:400], 2000, True, 32)
     documents = datasets.Dataset.from_dict({"text": english_texts[:400] * 3})
     options = DataOptions(trash_cutoff=0.25)
     streams = {}
@@ -75,7 +75,7 @@ def pretokenized(tmp_path_factory, english_texts):
     """Documents tokenized once, so orderings are compared on identical blocks (training a WordPiece
     vocabulary twice can break count ties differently)."""
     folder = tmp_path_factory.mktemp("pretokenized")
-    tokenizer = train_wordpiece(iter(english_texts[:400]), 2000, True, 32)
+    tokenizer = train_wordpiece(english_texts[:400], 2000, True, 32)
     tokenizer.save_pretrained(folder / "tokenizer")
     rows = [tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.sep_token_id]
             for text in english_texts[:400]]

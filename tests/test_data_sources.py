@@ -123,7 +123,7 @@ def test_max_documents_bounds_each_source(tmp_path, english_texts):
 
 @pytest.mark.parametrize("file_format", ["jsonl", "parquet"])
 def test_pretokenized_input_ids_are_packed_without_retokenizing(tmp_path, english_texts, file_format):
-    tokenizer = train_wordpiece(iter(english_texts[:100]), 300, True, 16)
+    tokenizer = train_wordpiece(english_texts[:100], 300, True, 16)
     tokenizer.save_pretrained(tmp_path / "tokenizer")
     rng = np.random.default_rng(0)
     rows = [rng.integers(5, 300, size=int(rng.integers(3, 40))).tolist() for _ in range(50)]

@@ -44,7 +44,7 @@ def tokenizer(request, english_texts):
     """This project's WordPiece ([CLS] at 2) and the authors' (<cls> at a set-drawn id, no <cls> in `$A <sep>`)."""
     texts = english_texts[:100]
     if request.param == "ours":
-        return train_wordpiece(iter(texts), 1000, True, 128)
+        return train_wordpiece(texts, 1000, True, 128)
     return authors_tokenizer(texts, 1000, 128, order_seed=int(request.param[-1]))
 
 

@@ -37,7 +37,7 @@ def online(monkeypatch):
 @pytest.fixture(scope="module")
 def saved_checkpoint(tmp_path_factory) -> Path:
     """A real (tiny) checkpoint as the recipe writes it, built once; tests copy it before changing anything."""
-    tokenizer = train_wordpiece(iter(SENTENCES), vocab_size=120, lowercase=True, model_max_length=32)
+    tokenizer = train_wordpiece(SENTENCES, vocab_size=120, lowercase=True, model_max_length=32)
     config = CrammedBertConfig.from_preset("tiny", vocab_size=len(tokenizer), max_position_embeddings=32)
     directory = save_checkpoint(
         CrammedBertForMaskedLM(config), tokenizer, {"training": {"preset": "tiny"}},

@@ -25,7 +25,7 @@ def test_cased_normaliser_keeps_case_and_accents():
 
 
 def test_trained_tokenizer_normalises_as_the_original(english_texts):
-    tokenizer = train_wordpiece(iter(english_texts[:100]), 400, True, 128)
+    tokenizer = train_wordpiece(english_texts[:100], 400, True, 128)
     ids = tokenizer("``Déjà  vu'' — über", add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(ids) == '" deja vu " uber'
 

@@ -95,10 +95,10 @@ def run_ours(corpus: Path, work: Path, num_proc: int, tokenizer: str) -> dict:
     options = DataOptions(sources=[str(corpus)], vocab_size=VOCAB_SIZE, seq_len=SEQ_LEN, trash_cutoff=0,
                           min_chars=1, ordering="random")
     prepared = prepare(options, output_dir=work / "prepared", num_proc=num_proc, progress=False)
-    stats = prepared.stats
+    stats, timings = prepared.stats, prepared.timings
     return {
         "tokens": stats["tokens"],
-        "seconds": stats["seconds"] - stats["seconds_tokenizer_training"],
+        "seconds": timings["seconds"] - timings["seconds_tokenizer_training"],
         "tokenizer": str(prepared.path / "tokenizer"),
         "corpus_mb": corpus.stat().st_size / 1e6,
     }

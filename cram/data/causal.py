@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import Dataset
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from cram.data.fingerprint import DataIdentity, sampled_file_digest, vocabulary_digest
 from cram.data.gpt_neox_order import (
     GPTNeoXSamples,
     document_level,
@@ -40,6 +41,7 @@ class CausalData:
     tokenizer: PreTrainedTokenizerBase
     name: str  # what a resumed run must read again
     description: str
+    identity: DataIdentity  # what the processes of a run compare at start
 
 
 def causal_lm_batch(items: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -123,7 +125,10 @@ def load_causal_data(
                  if isinstance(sequences, GPTNeoXSamples) else "its entries' order")
         description = (f"{len(sequences):,} sequences of {length} tokens in {order} ({tokens.num_tokens:,} "
                        f"{tokens.dtype} tokens in {tokens.num_sequences:,} index entries) from {tokens.bin_path}")
-        return CausalData(sequences, token_ids, str(tokens.prefix), description)
+        index_files = sequences.index_files if isinstance(sequences, GPTNeoXSamples) else ()
+        files = [tokens.bin_path, tokens.idx_path, *index_files]
+        identity = DataIdentity(str(tokens.prefix), sampled_file_digest(files), vocabulary_digest(token_ids))
+        return CausalData(sequences, token_ids, str(tokens.prefix), description, identity)
     if is_prepared(source):
         prepared = load_prepared(source)
     else:
@@ -136,4 +141,5 @@ def load_causal_data(
         )
     check_vocabulary(prepared.tokenizer, vocab_size)
     description = f"{len(prepared.dataset):,} sequences of {length} tokens from {prepared.path}"
-    return CausalData(SerialBlocks(prepared.dataset), prepared.tokenizer, prepared.path.name, description)
+    return CausalData(SerialBlocks(prepared.dataset), prepared.tokenizer, prepared.path.name, description,
+                      prepared.identity)

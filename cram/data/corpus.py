@@ -18,7 +18,7 @@ from importlib import metadata
 from multiprocessing import get_context
 from pathlib import Path
 
-from cram.data.cache import atomic_file, default_cache_dir, exclusive_lock
+from cram.data.cache import atomic_file, default_cache_dir, exclusive_build
 
 # Enough text for a few minutes of tiny-model pretraining; more would only slow the first build.
 TARGET_CHARS = 12_000_000
@@ -35,10 +35,11 @@ def embedded_corpus_path(cache_dir: str | Path | None = None) -> Path:
     path = root / "embedded" / f"corpus-{_environment_key()}.jsonl"
     if path.exists():
         return path
-    # Built by one process while the others wait: a data set's cache key holds the corpus file's modification
-    # time, so two builds replacing each other would leave the ranks of one launch waiting for different sets.
-    with exclusive_lock(path.with_name(path.name + ".lock")):
-        if not path.exists():
+    # Built by one process while the others wait, on this machine or another that shares the cache: the ranks of a
+    # launch on a fresh machine all ask for it, and one build replacing another under a reader would pull the file
+    # from under it.
+    with exclusive_build(path, built=path.exists) as building:
+        if building and not path.exists():
             with atomic_file(path) as tmp_path, open(tmp_path, "w", encoding="utf-8") as out:
                 for text in _documents():
                     out.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")

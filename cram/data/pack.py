@@ -14,6 +14,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from tokenizers import Tokenizer
 
+from cram.data.fingerprint import BlockDigest
+
 
 def token_dtype(vocab_size: int) -> np.dtype:
     """The narrowest integer type that holds every id: halves disk and reading time for vocabularies up to 65536."""
@@ -84,7 +86,8 @@ class BlockWriter:
     """Cut a token stream, arriving in pieces, into `seq_len` blocks and write them to an Arrow stream file.
 
     Memory holds one piece plus the carried remainder, whatever the corpus size. For each block it keeps
-    the count of sentence-ending tokens (4 bytes a block) for the curriculum.
+    the count of sentence-ending tokens (4 bytes a block) for the curriculum, and it digests the blocks as it writes
+    them (`digest`).
     """
 
     def __init__(self, path: Path, seq_len: int, dtype: np.dtype, sentence_end_ids: list[int]) -> None:
@@ -94,6 +97,7 @@ class BlockWriter:
         self.carry = np.empty(0, dtype=dtype)
         self.sentence_end_counts: list[np.ndarray] = []
         self.blocks = 0
+        self.digest = BlockDigest(seq_len, dtype)
         list_type = pa.list_(pa.from_numpy_dtype(dtype), seq_len)
         self.schema = pa.schema([("input_ids", list_type)])
         self.file = pa.OSFile(str(path), "wb")
@@ -107,6 +111,7 @@ class BlockWriter:
         if count:
             column = pa.FixedSizeListArray.from_arrays(pa.array(blocks.ravel()), self.seq_len)
             self.writer.write_batch(pa.record_batch([column], schema=self.schema))
+            self.digest.add(blocks)
             self.sentence_end_counts.append(np.isin(blocks, self.sentence_end_ids).sum(axis=1, dtype=np.int32))
             self.blocks += count
 

@@ -1,6 +1,10 @@
 """From sources to a cached set of packed blocks: read → clean → train tokenizer → tokenize → pack → order → save.
 
-Every stage streams through Arrow files on disk, so peak memory does not grow with the corpus.
+Every stage streams through Arrow files on disk, so peak memory does not grow with the corpus. The same sources and
+options give byte-identical blocks, tokenizer, statistics and fingerprint in any process on any machine, with any
+number of workers and any string-hash seed; timings.json, how long each stage took, is the build's own. Processes on
+several machines that share a cache build a set once: one holds the build's lock while the others wait for it
+(`cram.data.cache.exclusive_build`).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import datasets
@@ -22,8 +26,9 @@ import pyarrow.compute as pc
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from cram.data.cache import TMP_MARKER, atomic_directory, cache_key, default_cache_dir
+from cram.data.cache import TMP_MARKER, atomic_directory, cache_key, default_cache_dir, exclusive_build
 from cram.data.clean import DocumentFilter, WeightSampler, incompressible
+from cram.data.fingerprint import DataIdentity, sampled_file_digest, vocabulary_digest
 from cram.data.options import DataOptions
 from cram.data.pack import BlockWriter, DocumentTokenizer, block_order, pack_streams, token_dtype
 from cram.data.sources import Source, iter_records, resolve_sources, source_identity
@@ -32,6 +37,8 @@ from cram.errors import UserError
 
 OPTIONS_FILE = "data_options.json"
 STATS_FILE = "stats.json"
+TIMINGS_FILE = "timings.json"
+FINGERPRINT_FILE = "fingerprint.json"
 # Documents per Arrow record batch while reading, and per tokenizer call: large enough to amortise
 # per-call overhead, small enough that one batch is a few MB.
 DOCUMENT_BATCH = 1000
@@ -46,6 +53,8 @@ class PreparedData:
     tokenizer: PreTrainedTokenizerFast
     path: Path
     stats: dict
+    identity: DataIdentity  # what the processes of a run compare at start
+    timings: dict = field(default_factory=dict)  # seconds per stage of the build that wrote it
 
 
 def prepare(options: DataOptions, cache_dir: str | Path | None = None, force: bool = False,
@@ -54,22 +63,34 @@ def prepare(options: DataOptions, cache_dir: str | Path | None = None, force: bo
     """Prepare (or reuse) the packed dataset that `options` describe.
 
     It lands in `output_dir` if given, else in `cache_dir`/<key> (cache_dir defaults to $CRAM_CACHE or
-    ~/.cache/cram). A folder already holding the same key is reused unless `force`.
+    ~/.cache/cram). A folder already holding the same key is reused unless `force`. While another process, here or
+    on another machine sharing the folder, builds the same set, this one waits for it instead of building it again.
     """
     sources, identities, key, target = _locate(options, cache_dir, output_dir)
     if is_prepared(target) and not force:
-        if _read_json(target / OPTIONS_FILE).get("cache_key") == key:
-            return load_prepared(target)
-        raise UserError(f"{target} holds data prepared with other options; pass --force to replace it "
-                        "or choose another output folder")
+        return _reuse(target, key)
     if target.exists() and not is_prepared(target) and (not target.is_dir() or any(target.iterdir())):
         # Only a prepared set (or an empty folder) is ever replaced: never a user's other files.
         raise UserError(f"{target} exists and is not a prepared dataset; choose a new or empty output folder")
-    with atomic_directory(target) as work_dir, _progress_bars(progress):
-        stats = _build(options, sources, work_dir, num_proc or os.cpu_count() or 1, progress)
-        _write_json(work_dir / OPTIONS_FILE, {"cache_key": key, "options": asdict(options), "sources": identities})
-        _write_json(work_dir / STATS_FILE, stats)
-    return load_prepared(target)
+    with exclusive_build(target, built=lambda: not force and is_prepared(target)) as building:
+        if building and (force or not is_prepared(target)):
+            with atomic_directory(target) as work_dir, _progress_bars(progress):
+                stats, timings, fingerprint = _build(options, sources, work_dir, num_proc or os.cpu_count() or 1,
+                                                     progress)
+                _write_json(work_dir / OPTIONS_FILE,
+                            {"cache_key": key, "options": asdict(options), "sources": identities})
+                _write_json(work_dir / STATS_FILE, stats)
+                _write_json(work_dir / FINGERPRINT_FILE, fingerprint)
+                _write_json(work_dir / TIMINGS_FILE, timings)
+            return load_prepared(target)
+    return _reuse(target, key)
+
+
+def _reuse(target: Path, key: str) -> PreparedData:
+    if _read_json(target / OPTIONS_FILE).get("cache_key") == key:
+        return load_prepared(target)
+    raise UserError(f"{target} holds data prepared with other options; pass --force to replace it "
+                    "or choose another output folder")
 
 
 def prepared_path(options: DataOptions, cache_dir: str | Path | None = None) -> Path:
@@ -119,18 +140,27 @@ def load_prepared(path: str | Path) -> PreparedData:
     path = Path(path)
     if not is_prepared(path):
         raise UserError(f"{path} is not a prepared dataset; create one with recipes/prepare_data.py")
+    tokenizer = AutoTokenizer.from_pretrained(str(path / "tokenizer"))
+    # A set prepared before its blocks' digest was recorded is told apart by a sample of its files.
+    recorded = _read_json(path / FINGERPRINT_FILE) if (path / FINGERPRINT_FILE).is_file() else {}
+    blocks = recorded.get("blocks") or sampled_file_digest(sorted((path / "dataset").glob("*.arrow")))
     return PreparedData(
         dataset=datasets.load_from_disk(str(path / "dataset")),
-        tokenizer=AutoTokenizer.from_pretrained(str(path / "tokenizer")),
+        tokenizer=tokenizer,
         path=path,
         stats=_read_json(path / STATS_FILE),
+        identity=DataIdentity(str(path), blocks, vocabulary_digest(tokenizer)),
+        timings=_read_json(path / TIMINGS_FILE) if (path / TIMINGS_FILE).is_file() else {},
     )
 
 
-def _build(options: DataOptions, sources: list[Source], out_dir: Path, num_proc: int, progress: bool) -> dict:
+def _build(options: DataOptions, sources: list[Source], out_dir: Path, num_proc: int,
+           progress: bool) -> tuple[dict, dict, dict]:
+    """Write the set into `out_dir`; return its statistics, the seconds each stage took and its fingerprint."""
     work_dir = out_dir / "work"
     work_dir.mkdir()
     stats: dict = {"seq_len": options.seq_len}
+    timings: dict = {}
     clock = time.perf_counter()
     documents_path = work_dir / "documents.arrow"
     column = _write_documents(sources, options, documents_path, stats, progress)
@@ -141,7 +171,7 @@ def _build(options: DataOptions, sources: list[Source], out_dir: Path, num_proc:
         # weighted document's copies) are not trained on in one stretch.
         documents = documents.shuffle(seed=options.seed).flatten_indices(
             cache_file_name=str(work_dir / "shuffled.arrow"), new_fingerprint="shuffled")
-    stats["seconds_reading"] = _lap(clock)
+    timings["seconds_reading"] = _lap(clock)
 
     clock = time.perf_counter()
     if column == "text" and options.tokenizer:
@@ -149,13 +179,13 @@ def _build(options: DataOptions, sources: list[Source], out_dir: Path, num_proc:
     elif column == "text":
         train = train_byte_level_bpe if options.tokenizer_model == "bpe" else train_wordpiece
         tokenizer = train(
-            _sample_texts(documents, options.tokenizer_sample_chars, options.seed),
+            SampledTexts(documents, options.tokenizer_sample_chars, options.seed),
             options.vocab_size, options.lowercase, options.seq_len, progress,
         )
     else:
         tokenizer = _pretokenized_tokenizer(options, sources)
     stats["vocab_size"] = len(tokenizer)
-    stats["seconds_tokenizer_training"] = _lap(clock)
+    timings["seconds_tokenizer_training"] = _lap(clock)
 
     clock = time.perf_counter()
     dtype = token_dtype(len(tokenizer))
@@ -171,20 +201,21 @@ def _build(options: DataOptions, sources: list[Source], out_dir: Path, num_proc:
     if writer.blocks == 0:
         raise UserError(f"the corpus gives {stats['tokens']} tokens after cleaning, less than one {options.seq_len}"
                         "-token block; add more text or pass a smaller --seq-len")
-    stats["seconds_tokenizing_and_packing"] = _lap(clock)
+    timings["seconds_tokenizing_and_packing"] = _lap(clock)
 
     clock = time.perf_counter()
     blocks = datasets.Dataset.from_file(str(work_dir / "blocks.arrow"))
     order = block_order(options.ordering, writer.sentence_ends(), options.seed)
-    if order is not None:
-        blocks = blocks.select(order)
+    blocks_digest = writer.digest.finish(order)
+    # The set's datasets fingerprint (in dataset/state.json) is its content's digest rather than a random one.
+    blocks = blocks.select(range(len(blocks)) if order is None else order, new_fingerprint=blocks_digest[:16])
     blocks.save_to_disk(str(out_dir / "dataset"))
     tokenizer.save_pretrained(str(out_dir / "tokenizer"))
-    stats["seconds_ordering_and_saving"] = _lap(clock)
-    stats["seconds"] = round(sum(value for name, value in stats.items() if name.startswith("seconds_")), 2)
+    timings["seconds_ordering_and_saving"] = _lap(clock)
+    timings["seconds"] = round(sum(timings.values()), 2)
     del blocks, documents
     shutil.rmtree(work_dir)
-    return stats
+    return stats, timings, {"blocks": blocks_digest, "vocabulary": vocabulary_digest(tokenizer)}
 
 
 def _write_documents(sources: list[Source], options: DataOptions, path: Path, stats: dict, progress: bool) -> str:
@@ -276,22 +307,30 @@ def _write_batch(writer: pa.ipc.RecordBatchStreamWriter | None, file, column: st
     return writer
 
 
-def _sample_texts(documents: datasets.Dataset, budget_chars: int, seed: int) -> Iterator[str]:
-    """Texts from randomly chosen runs of documents until `budget_chars`: a bounded sample spread over the corpus.
+@dataclass
+class SampledTexts:
+    """Texts from randomly chosen runs of documents until `budget_chars`: a bounded sample spread over the corpus,
+    the same each time it is read (the tokenizer trainer reads it twice), and never held in memory whole.
 
     A document longer than BATCH_CHARS contributes its first BATCH_CHARS characters (read without the rest), so a
     book-length document cannot make the tokenizer trainer hold it whole.
     """
-    starts = np.random.default_rng(seed).permutation(np.arange(0, len(documents), DOCUMENT_BATCH))
-    used = 0
-    for start in starts.tolist():
-        run = documents.data.slice(start, DOCUMENT_BATCH).column("text")
-        for index in range(len(run)):
-            text = pc.utf8_slice_codeunits(run.slice(index, 1), 0, BATCH_CHARS)[0].as_py()
-            yield text
-            used += len(text)
-            if used >= budget_chars:
-                return
+
+    documents: datasets.Dataset
+    budget_chars: int
+    seed: int
+
+    def __iter__(self) -> Iterator[str]:
+        starts = np.random.default_rng(self.seed).permutation(np.arange(0, len(self.documents), DOCUMENT_BATCH))
+        used = 0
+        for start in starts.tolist():
+            run = self.documents.data.slice(start, DOCUMENT_BATCH).column("text")
+            for index in range(len(run)):
+                text = pc.utf8_slice_codeunits(run.slice(index, 1), 0, BATCH_CHARS)[0].as_py()
+                yield text
+                used += len(text)
+                if used >= self.budget_chars:
+                    return
 
 
 def _tokenized_streams(documents: datasets.Dataset, tokenizer: PreTrainedTokenizerFast, options: DataOptions,

@@ -11,7 +11,9 @@ block: whole shards are skipped, then rows within one.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
+import json
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from cram.data.fingerprint import DataIdentity, sampled_file_digest, vocabulary_digest
 from cram.errors import UserError
 
 READYMADE = "pile-readymade"
@@ -71,6 +74,7 @@ class ReadymadeData:
     tokenizer: PreTrainedTokenizerFast
     path: Path
     stats: dict
+    identity: DataIdentity  # what the processes of a run compare at start
 
 
 def is_readymade_folder(path: str | Path) -> bool:
@@ -93,8 +97,13 @@ def open_readymade(location: str, cache_dir: str | Path | None = None) -> Readym
     blocks = StreamedBlocks(shards, rows, seq_len)
     if len(blocks) == 0:
         raise UserError(f"{location} holds no blocks; give a ready-made set with rows of input_ids")
+    if location == READYMADE:  # the shards' URLs name the dataset's commit, which fixes their bytes
+        blocks_digest = hashlib.sha256(json.dumps([shards, rows]).encode()).hexdigest()
+    else:
+        blocks_digest = sampled_file_digest([Path(shard) for shard in shards])
+    identity = DataIdentity(location, blocks_digest, vocabulary_digest(tokenizer))
     return ReadymadeData(blocks, tokenizer, Path(location), {"blocks": len(blocks), "seq_len": seq_len,
-                                                             "shards": len(shards)})
+                                                             "shards": len(shards)}, identity)
 
 
 def _hub_layout(name: str, cache_dir: str | Path | None) -> tuple[list[str], Path]:

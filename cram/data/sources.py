@@ -46,9 +46,17 @@ def resolve_sources(specs: list[str], cache_dir: Path | None = None) -> list[Sou
 
 def source_identity(source: Source, hub_config: str, hub_split: str) -> list:
     """What the cache key needs to notice a changed source: each file's path, size and modification time, or a Hub
-    dataset's commit (so an updated dataset is prepared afresh, not served stale from the cache)."""
+    dataset's commit (so an updated dataset is prepared afresh, not served stale from the cache).
+
+    The embedded corpus is named by its file's name (which holds the installation it is extracted from) and size,
+    not by its path and modification time: each machine of a run with a cache of its own builds the same corpus at
+    another time, perhaps in another folder, and must file the set made from it under the same key.
+    """
     if source.kind == "hub":
         return [source.hub_name, source.hub_revision, hub_config, hub_split, source.weight]
+    if _split_weight(source.spec)[0] == "embedded":
+        (corpus,) = source.files
+        return [["embedded", corpus.name, corpus.stat().st_size], source.weight]
     files = [[str(path), path.stat().st_size, path.stat().st_mtime_ns] for path in source.files]
     return [files, source.weight]
 

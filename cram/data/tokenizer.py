@@ -3,7 +3,8 @@ for crammed BERT, byte-level BPE (GPT-NeoX's kind) for causal models."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+from collections.abc import Iterable
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -30,18 +31,35 @@ def cramming_normalizer(lowercase: bool) -> normalizers.Normalizer:
     ])
 
 
-def train_wordpiece(texts: Iterator[str], vocab_size: int, lowercase: bool, model_max_length: int,
+def train_wordpiece(texts: Iterable[str], vocab_size: int, lowercase: bool, model_max_length: int,
                     progress: bool = False) -> PreTrainedTokenizerFast:
-    """Train on `texts` with the original's normaliser (`cramming_normalizer`) and whitespace splitting.
+    """Train on `texts` (a collection, read twice) with the original's normaliser (`cramming_normalizer`) and
+    whitespace splitting; the same texts give the same vocabulary, ids included, in any process on any machine.
 
-    The special tokens come first, so [PAD]=0, [UNK]=1, [CLS]=2, [SEP]=3, [MASK]=4.
+    The special tokens come first, so [PAD]=0, [UNK]=1, [CLS]=2, [SEP]=3, [MASK]=4; then the characters and their
+    continuation forms (##a …), each by code point, then the merges in the order they were learned. The trainer
+    itself numbers the continuation forms in the order it meets them in a hash map whose seed each process draws
+    afresh (huggingface/tokenizers issue 1794), and breaks ties between merges of equal count by those numbers, so
+    two runs could learn different vocabularies. A first pass finds the characters and their continuation forms;
+    the second trains with them named first, which fixes their numbers before any merge.
     """
-    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tokenizer.normalizer = cramming_normalizer(lowercase)
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.decoder = decoders.WordPiece()
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=progress)
+    if iter(texts) is texts:
+        raise TypeError("train_wordpiece reads its texts twice: give a collection, not an iterator")
+    alphabet_pass = _wordpiece(lowercase)
+    alphabet_pass.train_from_iterator(
+        texts, trainers.WordPieceTrainer(vocab_size=0, special_tokens=SPECIAL_TOKENS, show_progress=False))
+    initial = [token for token in alphabet_pass.get_vocab() if token not in SPECIAL_TOKENS]
+    characters = sorted((token for token in initial if len(token) == 1), key=ord)
+    continuations = sorted((token for token in initial if len(token) > 1), key=lambda token: ord(token[-1]))
+    tokenizer = _wordpiece(lowercase)
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + characters + continuations, show_progress=progress)
     tokenizer.train_from_iterator(texts, trainer)
+    # The characters and continuation forms were named as special tokens only to number them first: they are
+    # ordinary vocabulary, which the tokenizer must not split out of text or drop when decoding.
+    serialized = json.loads(tokenizer.to_str())
+    serialized["added_tokens"] = [token for token in serialized["added_tokens"] if token["content"] in SPECIAL_TOKENS]
+    tokenizer = Tokenizer.from_str(json.dumps(serialized))
     if tokenizer.get_vocab_size() <= len(SPECIAL_TOKENS):
         raise UserError("the corpus yielded no tokens to train a vocabulary on; give it documents with text")
     cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
@@ -63,10 +81,20 @@ def train_wordpiece(texts: Iterator[str], vocab_size: int, lowercase: bool, mode
     )
 
 
-def train_byte_level_bpe(texts: Iterator[str], vocab_size: int, lowercase: bool, model_max_length: int,
+def _wordpiece(lowercase: bool) -> Tokenizer:
+    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tokenizer.normalizer = cramming_normalizer(lowercase)
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.decoder = decoders.WordPiece()
+    return tokenizer
+
+
+def train_byte_level_bpe(texts: Iterable[str], vocab_size: int, lowercase: bool, model_max_length: int,
                          progress: bool = False) -> PreTrainedTokenizerFast:
     """A byte-level BPE like GPT-NeoX-20B's: every byte has a token (nothing is unknown), <|endoftext|>=0 ends each
-    document and <|padding|>=1 pads, as in the tokenizer Pythia was trained with."""
+    document and <|padding|>=1 pads, as in the tokenizer Pythia was trained with. Every token before the merges is one
+    of the 256 bytes, which the trainer numbers by code point, so the same texts give the same vocabulary and ids in
+    any process on any machine (unlike WordPiece's continuation forms, which need `train_wordpiece`'s first pass)."""
     tokenizer = Tokenizer(models.BPE())
     if lowercase:
         tokenizer.normalizer = normalizers.Lowercase()
