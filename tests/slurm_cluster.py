@@ -160,11 +160,11 @@ def _node(name: str, folder: Path, conf: Path, zygotes: launching.Zygotes | None
     return ["unshare", "--mount", "--uts", "sh", "-c", script, "sh", *map(str, zygotes.zygote_command("first"))]
 
 
-def _watchdog(folder: Path, conf: Path) -> list[str]:
-    """A shell that, once this test process is gone (a worker killed by SIGKILL runs no cleanup), kills every process
-    of the cluster: each daemon (the folder in its command line) and each job's process (the cluster's SLURM_CONF in
-    its environment), twice, for what the first round's victims started meanwhile."""
-    script = (f"while kill -0 {os.getpid()} 2>/dev/null; do sleep 1; done; for round in 1 2; do "
+def watchdog(folder: Path, conf: Path, watched: int) -> list[str]:
+    """A shell that, once the process `watched` is gone (a test worker killed by SIGKILL runs no cleanup), kills every
+    process of the cluster: each daemon (the folder in its command line) and each job's process (the cluster's
+    SLURM_CONF in its environment), twice, for what the first round's victims started meanwhile."""
+    script = (f"while kill -0 {watched} 2>/dev/null; do sleep 1; done; for round in 1 2; do "
               "for process in /proc/[0-9]*; do pid=${process#/proc/}; [ \"$pid\" = $$ ] && continue; "
               f"if grep -qaF '{folder}' $process/cmdline 2>/dev/null || "
               f"grep -qaF 'SLURM_CONF={conf}' $process/environ 2>/dev/null; then kill -9 $pid 2>/dev/null; fi; "
@@ -210,7 +210,7 @@ def slurm_cluster(folder: Path) -> Iterator[SlurmCluster]:
     munged = ["munged", "--foreground", "--force", f"--key-file={key}", f"--socket={munge_socket}",
               f"--pid-file={folder}/munged.pid", f"--log-file={folder}/munged.log", f"--seed-file={folder}/munged.seed"]
     with contextlib.ExitStack() as daemons:
-        daemons.enter_context(launching.started(_watchdog(folder, conf)))
+        daemons.enter_context(launching.started(watchdog(folder, conf, os.getpid())))
         daemons.enter_context(launching.started(munged))
         launching.wait_until(munge_socket.exists, seconds=COMMAND_SECONDS, what="munged's socket")
         controller = daemons.enter_context(launching.started(
