@@ -74,6 +74,11 @@ def process_alive(pid: int) -> bool:
     return psutil.pid_exists(pid)
 
 
+def lock_path(path: Path) -> Path:
+    """The lock file of building `path` (`exclusive_build`)."""
+    return path.with_name(f".{path.name}{LOCK_SUFFIX}")
+
+
 @contextlib.contextmanager
 def exclusive_build(path: Path, built: Callable[[], bool], poll_seconds: float = 2.0) -> Iterator[bool]:
     """Hold the lock on building `path` for the block, across processes and machines that share the file system;
@@ -84,7 +89,7 @@ def exclusive_build(path: Path, built: Callable[[], bool], poll_seconds: float =
     takes over a lock whose holder is a process of this machine that no longer exists at once, and any other once
     its modification time has not moved for STALE_LOCK_SECONDS; the abandoned build's temporary folders go with it.
     """
-    lock = path.with_name(f".{path.name}{LOCK_SUFFIX}")
+    lock = lock_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     watched: tuple[float, float] | None = None  # (the lock's modification time, when this process first saw it)
     while True:
