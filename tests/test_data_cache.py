@@ -196,8 +196,8 @@ def test_the_embedded_corpus_files_one_set_under_one_key_whatever_cache_holds_it
 
 
 def test_processes_that_ask_for_the_embedded_corpus_at_once_build_it_once_and_see_one_file(tmp_path, monkeypatch):
-    # The ranks of a launch on a fresh machine all ask for it. Two builds replacing each other would give the ranks
-    # two modification times, so two data-set keys: the waiting rank would poll forever for a set never made.
+    # The ranks of a launch on a fresh machine all ask for it: one builds, and the others read that build's file
+    # rather than build their own and replace it under a reader.
     from cram.data import corpus
 
     builds = []

@@ -4,9 +4,14 @@ invariants a replication relies on; a file that is neither kind is refused in on
 
 from __future__ import annotations
 
+import json
+import threading
+import time
+
 import numpy as np
 import pytest
 
+from cram.data.cache import lock_path
 from cram.data.gpt_neox_order import (
     GPTNeoXSamples,
     gpt_neox_epochs,
@@ -137,6 +142,29 @@ def test_two_builds_of_one_index_at_once_both_finish_with_the_same_index(tmp_pat
     assert interleaved and np.array_equal(samples.shuffle_idx, shuffle_idx)
     assert np.array_equal(samples.sample_idx, sample_idx) and np.array_equal(samples.doc_idx, doc_idx)
     assert len(list(tmp_path.iterdir())) == 2 + 3  # the data and one index: no staging file left
+
+
+def test_a_machine_that_finds_another_building_the_index_waits_and_reads_its_files(tmp_path, documents):
+    """On a file that several machines share, a machine that finds another's build of the index in progress (its
+    lock) waits for it instead of building its own, whose renames would replace the files the other has mapped."""
+    import cram.data.gpt_neox_order as order
+
+    write_megatron(tmp_path / "document", documents)
+    tokens = MegatronTokens(tmp_path / "document")
+    paths = gpt_neox_index_paths(tmp_path / "document", 16, gpt_neox_num_samples(40))
+    lock = lock_path(paths[0])
+    lock.write_text(json.dumps({"host": "node-b", "pid": 1, "started": time.time()}))  # node-b's build
+    found: list = []
+    waiter = threading.Thread(target=lambda: found.append(megatron_sequences(tokens, 17, 40)), daemon=True)
+    waiter.start()
+    time.sleep(3)  # the waiter looks every 2 s
+    assert not any(path.exists() for path in paths), "the index was built beside another machine's build"
+    order.build_gpt_neox_index(tokens, 16, gpt_neox_num_samples(40))  # node-b's build finishes
+    inodes = [path.stat().st_ino for path in paths]
+    lock.unlink()
+    waiter.join(timeout=60)
+    assert found and isinstance(found[0], GPTNeoXSamples), "the waiter never read the finished index"
+    assert [path.stat().st_ino for path in paths] == inodes, "the waiter replaced the finished index"
 
 
 def test_a_file_of_whole_sequences_is_read_entry_by_entry(tmp_path):

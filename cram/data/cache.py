@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -74,6 +75,11 @@ def process_alive(pid: int) -> bool:
     return psutil.pid_exists(pid)
 
 
+def lock_path(path: Path) -> Path:
+    """The lock file of building `path` (`exclusive_build`)."""
+    return path.with_name(f".{path.name}{LOCK_SUFFIX}")
+
+
 @contextlib.contextmanager
 def exclusive_build(path: Path, built: Callable[[], bool], poll_seconds: float = 2.0) -> Iterator[bool]:
     """Hold the lock on building `path` for the block, across processes and machines that share the file system;
@@ -84,9 +90,10 @@ def exclusive_build(path: Path, built: Callable[[], bool], poll_seconds: float =
     takes over a lock whose holder is a process of this machine that no longer exists at once, and any other once
     its modification time has not moved for STALE_LOCK_SECONDS; the abandoned build's temporary folders go with it.
     """
-    lock = path.with_name(f".{path.name}{LOCK_SUFFIX}")
+    lock = lock_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     watched: tuple[float, float] | None = None  # (the lock's modification time, when this process first saw it)
+    said = False
     while True:
         try:
             descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -104,9 +111,14 @@ def exclusive_build(path: Path, built: Callable[[], bool], poll_seconds: float =
             watched = (modified, time.monotonic())
         dead_here = holder is not None and holder[0] == this_host() and not process_alive(holder[1])
         if dead_here or time.monotonic() - watched[1] >= STALE_LOCK_SECONDS:
+            print(f"building {path} in place of {_describe(holder)}, whose build ended without finishing",
+                  file=sys.stderr, flush=True)
             _take_over(lock, path, holder, modified)
             watched = None
             continue
+        if not said:
+            print(f"waiting for {_describe(holder)} to finish building {path}", file=sys.stderr, flush=True)
+            said = True
         time.sleep(poll_seconds)
     with os.fdopen(descriptor, "w") as file:
         json.dump({"host": this_host(), "pid": os.getpid(), "started": time.time()}, file)
@@ -118,8 +130,13 @@ def exclusive_build(path: Path, built: Callable[[], bool], poll_seconds: float =
     finally:
         stop.set()
         heartbeat.join()
-        with contextlib.suppress(FileNotFoundError):
-            lock.unlink()
+        if _lock_holder(lock)[0] == (this_host(), os.getpid()):  # not a lock taken over from this one
+            with contextlib.suppress(FileNotFoundError):
+                lock.unlink()
+
+
+def _describe(holder: tuple[str, int] | None) -> str:
+    return "another process" if holder is None else f"process {holder[1]} on {holder[0]}"
 
 
 def _lock_holder(lock: Path) -> tuple[tuple[str, int] | None, float | None]:

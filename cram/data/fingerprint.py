@@ -3,8 +3,8 @@
 A prepared set's blocks are digested once, while it is built (`BlockDigest`), and the digest is kept in its
 fingerprint.json, so a start reads a file instead of hashing the set. Data cram did not build (Megatron files, a
 ready-made upload) are told apart by their files' names, sizes and a fixed sample of their bytes
-(`sampled_file_digest`): reading a few megabytes, not the whole. The vocabulary's digest is taken from the loaded
-tokenizer (its tokens, their ids and which are special), which takes milliseconds.
+(`sampled_file_digest`): a few pieces of each file, not the whole. The vocabulary's digest is taken from the loaded
+tokenizer (its tokens, their ids and which are special).
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def vocabulary_digest(tokenizer: PreTrainedTokenizerBase) -> str:
 
 def sampled_file_digest(paths: list[Path]) -> str:
     """A digest of files' names, sizes and SAMPLED_PIECES pieces of each at fixed offsets (and its last piece): the
-    same for copies of the same files anywhere, different for other files almost always, and read in milliseconds
-    whatever their size."""
+    same for copies of the same files anywhere, different for other files almost always, and as cheap to read for a
+    file of gigabytes as for one of megabytes."""
     digest = hashlib.sha256()
     for path in paths:
         size = path.stat().st_size

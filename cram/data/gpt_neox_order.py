@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from cram.data.cache import temporary_sibling
+from cram.data.cache import exclusive_build, temporary_sibling
 from cram.data.megatron import CHECK_SLICE, MegatronSequences, MegatronTokens, split_prefix
 from cram.errors import UserError
 
@@ -168,9 +168,20 @@ class GPTNeoXSamples(Dataset):
     read from the cached index (built on first use)."""
 
     def __init__(self, tokens: MegatronTokens, seq_length: int, num_samples: int, seed: int = GPT_NEOX_SEED):
-        if not gpt_neox_index_ready(tokens.prefix, seq_length, num_samples):
-            build_gpt_neox_index(tokens, seq_length, num_samples, seed)
         doc, sample, shuffle = gpt_neox_index_paths(tokens.prefix, seq_length, num_samples, seed)
+        if not gpt_neox_index_ready(tokens.prefix, seq_length, num_samples):
+            if not os.access(doc.parent, os.W_OK):
+                raise UserError(f"cannot write GPT-NeoX's data index beside {tokens.bin_path} (read-only folder): "
+                                "make its folder writable, or give a copy of the data in a writable folder.")
+
+            def ready() -> bool:
+                return gpt_neox_index_ready(tokens.prefix, seq_length, num_samples)
+
+            # Machines that share the file build it once: another's build renamed over the files this one has
+            # mapped would leave it reading a file the server has deleted (a stale handle on NFS).
+            with exclusive_build(doc, built=ready) as building:
+                if building and not ready():
+                    build_gpt_neox_index(tokens, seq_length, num_samples, seed)
         self.tokens = tokens
         self.length = seq_length + 1
         self.doc_idx = np.load(doc, mmap_mode="r")

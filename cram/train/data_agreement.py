@@ -39,9 +39,10 @@ def disagreement(offered: list[dict]) -> str | None:
         differ = [what for key, what in (("blocks", "token blocks"), ("vocabulary", "tokenizer's vocabulary"))
                   if other[key] != first[key]]
         if differ:
+            verb = "differs" if differ == ["tokenizer's vocabulary"] else "differ"
             return (
                 f"rank {rank} on {other['host']} reads other data than rank 0 on {first['host']}: the "
-                f"{' and the '.join(differ)} differ ({other['location']} against {first['location']}); give every "
+                f"{' and the '.join(differ)} {verb} ({other['location']} against {first['location']}); give every "
                 "machine the same set: prepare it once into a cache on a file system they share (--cache-dir or "
                 "CRAM_CACHE there), or copy one prepared set to each machine and pass --data with it"
             )
