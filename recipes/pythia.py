@@ -58,6 +58,15 @@ from cram.train.accelerator import launch_device_type, local_main_first
 from cram.train.activation_checkpointing import enable_activation_checkpointing
 from cram.train.budget import StepClock
 from cram.train.checkpoint import read_checkpoint
+from cram.train.continuation import (
+    ContinuingRun,
+    check_continuation,
+    continued_state_record,
+    describe_continuation,
+    load_revision_weights,
+    resolve_revision,
+    revision_ready,
+)
 from cram.train.deepspeed_setup import configure_deepspeed
 from cram.train.loss_scaling import fp16_loss_scaling
 from cram.train.optim import build_adamw
@@ -65,6 +74,7 @@ from cram.train.precision import Precision, enable_tf32, gpu_has_bf16_units
 from cram.train.revisions import parse_revision_steps
 from cram.train.run import RecipeRun
 from cram.train.run_options import RunOptions, check_run_options
+from cram.train.state import TrainState
 from cram.train.state_memory import check_model_fits
 from cram.train.throughput import gpt_neox_flops_per_token
 
@@ -101,6 +111,10 @@ class TrainingOptions:
         None, "peak learning rate; unset means the size's config's (pythia-1b: 2.5e-4 per pythia-1b.yml, where the "
               "Pythia README's table says 3e-4)")
     seed: int = option(1234, "random seed (of the initial weights; the data order is the data's)")
+    continue_from: str | None = option(
+        None, "go on from a model kept at step N, at step N's schedule and step N + 1's data: a Hub name with its "
+              "branch (EleutherAI/pythia-160m@step50000), a folder of revisions with the step (runs/pythia@step4), "
+              "or a stepN folder; Adam's moments start at zero")
 
 
 @dataclass
@@ -219,8 +233,31 @@ def main() -> None:
     if run.resume_from is not None and (resumed_at := read_checkpoint(run.resume_from)[0].optimizer_steps) > stop_at:
         raise UserError(f"{run.resume_from} is at step {resumed_at}, past --stop-at-step {stop_at}: give a later step "
                         "to go on to, or start a new run in another --output-dir.")
+    source = None  # the kept model a fresh run goes on from (a resumed one has its state)
+    if training.continue_from is not None and run.resume_from is None:
+        source = local_main_first(accelerator, lambda: resolve_revision(training.continue_from),
+                                  ready=lambda: revision_ready(training.continue_from))
+        check_continuation(source, ContinuingRun(
+            size=training.size, shape=(config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+                                       config.intermediate_size),
+            vocab_size=config.vocab_size, tokenizer_vocabulary=data.tokenizer.get_vocab(), seq_len=seq_len,
+            global_batch_size=global_batch, max_steps=max_steps, stop_at=stop_at,
+            first_batch=first_batch_fingerprint(data.sequences, global_batch),
+            deduplicated=recorded_deduplication(training.data), pythia_steps=recipe.train_steps,
+            pythia_batch=recipe.global_batch_size, pythia_seq_len=recipe.seq_len))
     plugin = accelerator.state.deepspeed_plugin  # zero.Init only where the launch config asks for it
     model = build_pythia_model(training.size, config, zero_init=plugin is not None and plugin.is_zero3_init_enabled())
+    continued = None
+    if source is not None:
+        record = continued_state_record(source, load_revision_weights(model, source))
+        # Step N's update done: the schedule stands at N less the updates fp16 overflows skipped (as our run
+        # recorded them; a released revision records none), and the data at step N + 1's batch.
+        skipped = source.progress.get("skipped_steps", 0)
+        continued = TrainState(optimizer_steps=source.step, skipped_steps=skipped,
+                               sequences=source.step * global_batch, tokens=source.step * global_batch * seq_len,
+                               continued_from=record)
+        if run.is_main_process:
+            print(describe_continuation(source, record, continued.sequences))
     if implementation.activation_checkpointing:
         enable_activation_checkpointing(model)
     optimizer = build_adamw(model, peak_lr, recipe.betas, recipe.eps, recipe.weight_decay)
@@ -240,7 +277,7 @@ def main() -> None:
         "released_precision": recipe.precision, "precision_departure": departure,
         "deepspeed_fp16": (accelerator.state.deepspeed_plugin.deepspeed_config.get("fp16")
                            if accelerator.state.deepspeed_plugin is not None else None),
-    })
+    }, continued=continued)
     batches = iter(stream_loader(
         data.sequences, causal_lm_batch, start=session.state.sequences, micro_batch_size=micro_batch,
         process_index=accelerator.process_index, num_processes=accelerator.num_processes,

@@ -672,3 +672,141 @@ def test_bf16_zero_states_move_from_two_processes_to_one_and_back_across_stages_
     assert_moved(on_two, reference, 4, MOVED_BF16_LOSS)
     options = json.loads((on_two / "final" / "cram_options.json").read_text())["resolved"]
     assert options["mixed_precision"] == "bf16"
+
+
+# Continuing from a kept model (--continue-from): Pythia's whole schedule at the test's batch, 8 steps uninterrupted,
+# against the same run continued from its step-4 revision served by a Hub stand-in.
+CONTINUED = [*FULL_LENGTH, "--stop-at-step", "8"]
+
+
+def run_in_process(recipe_module, monkeypatch, arguments: list) -> None:
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    monkeypatch.setattr(sys, "argv", ["pythia.py", *map(str, arguments)])
+    recipe_module.main()
+
+
+@pytest.fixture
+def hub_of_revisions(monkeypatch, tmp_path):
+    """A Hub stand-in this process's huggingface_hub downloads from (into a cache of the test's own); `publish(repo,
+    folder, branch)` puts a revision folder's files on a branch, as --push-checkpoints leaves them."""
+    from hub_standin import StoredRepo
+    from huggingface_hub import constants
+
+    with HubStandIn() as hub:
+        # huggingface_hub's address, as HF_ENDPOINT would have set it when it loaded (files' addresses included).
+        monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                            hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+        def publish(repo: str, folder: Path, branch: str, leave_out: tuple[str, ...] = ()) -> None:
+            stored = hub.repos.setdefault(repo, StoredRepo(private=False))
+            stored.branches[branch] = {path.name: path.read_bytes() for path in folder.iterdir()
+                                       if path.is_file() and path.name not in leave_out}
+            stored.commits[branch] = [f"{branch}"]
+
+        hub.publish = publish
+        yield hub
+    assert hub.unknown_routes == []
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_eight_steps(recipe_module, megatron_data, tmp_path_factory) -> Path:
+    """Pythia's first 8 steps at the test's batch, in this process: its revisions at 0, 1, 2, 4 and 8."""
+    prefix, tokenizer = megatron_data
+    output_dir = tmp_path_factory.mktemp("eight") / "run"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        run_in_process(recipe_module, monkeypatch, [*CONTINUED, "--data", prefix, "--tokenizer", tokenizer,
+                                                    "--output-dir", output_dir])
+    return output_dir
+
+
+def test_a_revision_from_the_hub_continues_with_the_uninterrupted_run_s_schedule_data_and_loss(
+    recipe_module, monkeypatch, capsys, tmp_path, megatron_data, uninterrupted_eight_steps, hub_of_revisions
+):
+    """Step 4's revision (the model alone) pushed to a Hub stand-in and continued to step 8: steps 5-8 run at the
+    uninterrupted run's learning rates exactly, and step 5, step 4's weights on step 5's batch, has its loss (the
+    revision keeps fp32 weights: to summation order). Later losses differ: Adam's moments restart at zero."""
+    prefix, tokenizer = megatron_data
+    hub_of_revisions.publish("lab/pythia-tiny", uninterrupted_eight_steps / "revisions" / "step4", "step4")
+    capsys.readouterr()
+    output_dir = tmp_path / "continued"
+    run_in_process(recipe_module, monkeypatch, [*CONTINUED, "--data", prefix, "--tokenizer", tokenizer,
+                                                "--output-dir", output_dir, "--continue-from", "lab/pythia-tiny@step4"])
+    log = capsys.readouterr().out
+    assert "continuing a kept revision from step 4 (lab/pythia-tiny@step4)" in log
+    assert "from sequence 16, step 5's batch; Adam's moments start at zero" in log
+    uninterrupted, continued = history(uninterrupted_eight_steps), history(output_dir)
+    assert [row["step"] for row in continued] == [5, 6, 7, 8]
+    for row, expected in zip(continued, uninterrupted[4:], strict=True):
+        assert row["lr"] == expected["lr"], row["step"]  # exactly: the same step of the same schedule
+    assert continued[0]["loss"] == pytest.approx(uninterrupted[4]["loss"], abs=1e-6)
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["optimizer_steps"] == 8 and summary["sequences"] == 8 * 4
+    assert summary["continued_from"]["step"] == 4 and summary["continued_from"]["weights_dtype"] == "float32"
+    assert summary["continued_from"]["optimizer"].startswith("zero moments")
+    # The revisions after step 4 only, and the training state at the stop to go on from.
+    assert sorted(path.name for path in (output_dir / "revisions").iterdir()) == ["step8"]
+    assert sorted(path.name for path in (output_dir / "checkpoints").iterdir()) == ["step-00000008"]
+
+
+def test_a_local_revision_is_found_by_folder_and_step_or_as_its_own_folder(uninterrupted_eight_steps):
+    from cram.train.continuation import resolve_revision
+
+    kept = uninterrupted_eight_steps / "revisions" / "step4"
+    for name in (f"{uninterrupted_eight_steps}@step4", f"{uninterrupted_eight_steps / 'revisions'}@step4", str(kept)):
+        source = resolve_revision(name)
+        assert (source.folder, source.step, source.released) == (kept, 4, None)
+        assert source.progress == {"optimizer_steps": 4, "skipped_steps": 0, "sequences": 16, "tokens": 16 * 32}
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [("no such step on the Hub", "the Hub repository lab/pythia-tiny has no revision step3"),
+     ("no such repository", "is neither a local folder nor a Hub repository you can read"),
+     ("no such local step", "has no revision step3: give one of the steps it keeps (0, 1, 2, 4, 8)"),
+     ("another size", "lab/pythia-tiny@step4 is pythia-14m, not pythia-31m: continue it with --size pythia-14m"),
+     ("another vocabulary", "has 1,024 embedding rows and this run 2,048: pass --vocab-size 1024"),
+     ("another order", "was trained on other data or another order than this run's (global_batch_size 4 there, "
+                       "8 here; first batch"),
+     ("released, data unrecorded", "EleutherAI/pythia-14m trained on the standard Pile, and --data records no "
+                                   "deduplication"),
+     ("released, deduplicated data", "EleutherAI/pythia-14m-deduped trained on the deduplicated Pile, and --data is "
+                                     "recorded as not deduplicated"),
+     ("at the stop", "is at step 4, and this run stops at step 4: give a --stop-at-step after 4")],
+)
+def test_a_revision_the_run_cannot_go_on_from_is_refused_in_one_sentence(
+    recipe_module, monkeypatch, tmp_path, megatron_data, uninterrupted_eight_steps, hub_of_revisions, case, message
+):
+    from cram.data.megatron import record_deduplication
+
+    prefix, tokenizer = megatron_data
+    step4 = uninterrupted_eight_steps / "revisions" / "step4"
+    hub_of_revisions.publish("lab/pythia-tiny", step4, "step4")
+    # Released models keep no record of ours: their names say what they trained on.
+    for released in ("EleutherAI/pythia-14m", "EleutherAI/pythia-14m-deduped"):
+        hub_of_revisions.publish(released, step4, "step4", leave_out=("cram_options.json",))
+    recorded = tmp_path / "recorded"  # the same data, recorded as not deduplicated
+    recorded.mkdir()
+    for suffix in (".bin", ".idx"):
+        (recorded / f"document{suffix}").symlink_to(prefix.with_suffix(suffix))
+    record_deduplication(recorded / "document", False)
+    base = [*CONTINUED, "--data", prefix, "--tokenizer", tokenizer, "--output-dir", tmp_path / "run",
+            "--continue-from", "lab/pythia-tiny@step4"]
+    extra = {
+        "no such step on the Hub": ["--continue-from", "lab/pythia-tiny@step3"],
+        "no such repository": ["--continue-from", "lab/nothing-here@step4"],
+        "no such local step": ["--continue-from", f"{uninterrupted_eight_steps}@step3"],
+        "another size": ["--size", "pythia-31m"],
+        "another vocabulary": ["--vocab-size", "2048"],
+        "another order": ["--global-batch-size", "8"],
+        "released, data unrecorded": ["--continue-from", "EleutherAI/pythia-14m@step4"],
+        "released, deduplicated data": ["--continue-from", "EleutherAI/pythia-14m-deduped@step4", "--data",
+                                        recorded / "document"],
+        "at the stop": ["--stop-at-step", "4"],
+    }[case]
+    text = refusal(recipe_module, monkeypatch, [*base, *extra])
+    assert message in text and text.count(". ") == 0, text
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "final").exists()

@@ -109,7 +109,11 @@ class RevisionSaver:
     def save(self, state: TrainState) -> Path:
         name = revision_name(state.optimizer_steps)
         target = self.directory / name
-        export_model(self.accelerator, self.model, self.tokenizer, self.options(), target)
+        # The step, fp16-skipped steps and data position beside the model: a run continued from this revision
+        # (`cram.train.continuation`) takes its schedule and data from them.
+        progress = {"optimizer_steps": state.optimizer_steps, "skipped_steps": state.skipped_steps,
+                    "sequences": state.sequences, "tokens": state.tokens}
+        export_model(self.accelerator, self.model, self.tokenizer, {**self.options(), "progress": progress}, target)
         self.saved.add(state.optimizer_steps)
         if self.publish is not None:
             self.publish(state, target, name)

@@ -102,6 +102,7 @@ class RecipeRun:
             str(self.output_dir), options.collective_timeout_minutes,
         )
         self.device_type = self.accelerator.device.type
+        self.continued_at: int | None = None  # the step a fresh run went on from (`start`'s `continued`)
         self.use_compile = is_compiled(self.accelerator)
         self.resume_from = find_checkpoint(options.resume, self.output_dir / "checkpoints")
         self.layout = current_layout(self.accelerator)
@@ -141,12 +142,15 @@ class RecipeRun:
 
     def start(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, training: object, *, facts: dict,
-        resolved: dict,
+        resolved: dict, continued: TrainState | None = None,
     ) -> RunSession:
         """Refuse a checkpoint that another run wrote (`facts`: what a resumed run must share with the saved one),
         hand model and optimizer to Accelerate (which compiles the model when asked), restore the saved state when
         resuming, and start the tracker with the resolved options (`resolved`: the recipe's own, beside the run's),
-        which are saved beside every exported model."""
+        which are saved beside every exported model.
+
+        `continued`: a fresh run's starting state where it goes on from a kept model at step N (its step, data
+        position and schedule; `cram.train.continuation`), the model given with that step's weights."""
         states = None  # the saved state in the form this launch loads, where it is not the checkpoint's own
         if self.resume_from is not None:
             check_same_run(self.saved["run"], facts, self.resume_from)
@@ -159,6 +163,9 @@ class RecipeRun:
                 use_universal_checkpoint(self.accelerator)
         model, optimizer = self.accelerator.prepare(model, optimizer)
         state = TrainState()
+        if continued is not None and self.resume_from is None:
+            state = continued
+            self.continued_at = continued.optimizer_steps
         if self.resume_from is not None:
             # The options are the saved run's (`check_same_run`); DeepSpeed's ZeRO-3 gives every param group the
             # first one's hyperparameters when it loads a universal state (stage3.py: "we can obtain from any
@@ -271,7 +278,8 @@ class RunSession:
     ) -> Checkpointer:
         """The checkpointer `train` describes; installs the preemption handler."""
         options, state, model = self.options, self.state, self.model
-        resumed_at = state.optimizer_steps if self.run.resume_from else None
+        # A run goes on from a saved state, or from a kept model: that step's revision and state are not written.
+        resumed_at = state.optimizer_steps if self.run.resume_from else self.run.continued_at
         if options.push_checkpoints:
             self.pusher = BackgroundPusher(options.push_to_hub, private=not options.hub_public)
 

@@ -1,0 +1,305 @@
+"""Continuing Pythia from a model kept at step N: a released revision (`EleutherAI/pythia-160m@step50000`), a local
+folder in the Hub's layout, or one of our run's revisions, trained on from step N + 1 as the run that made it would
+have gone on: its weights, the schedule at N, and the data position of step N + 1.
+
+    source = resolve_revision("EleutherAI/pythia-160m@step50000")     # downloaded through huggingface_hub
+    check_continuation(source, facts)                                   # size, vocabulary, data order
+    load_revision_weights(model, source.folder)                         # before `accelerator.prepare`
+
+A revision is the model alone: Adam's moments start at zero (the run says so), and with them Adam's bias correction
+counts from the continuation, as for a fresh optimizer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cram.errors import UserError
+from cram.models.pythia_model import PYTHIA_SIZES, load_pythia_weights, pythia_size_of
+
+OPTIONS_FILE = "cram_options.json"  # cram.train.checkpoint's: what our runs keep beside each model
+REVISIONS_FOLDER = "revisions"  # cram.train.revisions': where a run keeps its stepN models
+_STEP = re.compile(r"^step(\d+)$")
+# EleutherAI's released models: pythia-SIZE, its deduplicated twin, and PolyPythias' seeds (van der Wal et al.,
+# ICLR 2025): seedN (init and data order of their own), weight-seedN (init only), data-seedN (data order only).
+_RELEASED = re.compile(r"^EleutherAI/(?P<size>pythia-[0-9.]+[mb])(?P<deduped>-deduped)?"
+                       r"(?:-(?P<variant>seed|weight-seed|data-seed)(?P<seed>\d+))?$")
+# What a revision's folder holds that continuing reads: the config, the weights in any of transformers' layouts,
+# the tokenizer (to compare vocabularies) and our runs' record.
+WEIGHT_PATTERNS = ["config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin",
+                   "pytorch_model.bin.index.json", "tokenizer.json", OPTIONS_FILE]
+
+
+@dataclass(frozen=True)
+class RevisionSource:
+    """A model kept at `step`, read from `folder` (a local folder, or the Hub's files in huggingface_hub's cache)."""
+
+    name: str  # as the user gave it
+    step: int
+    folder: Path
+    released: str | None = None  # the released model's Hub name, e.g. EleutherAI/pythia-160m-deduped
+    deduplicated: bool | None = None  # the released model's data: the deduplicated Pile or the standard one
+    options: dict | None = None  # our run's record kept beside the model (cram_options.json), where it kept one
+
+    @property
+    def progress(self) -> dict:
+        """Our run's step, fp16-skipped steps and data position at the revision, where it recorded them."""
+        return (self.options or {}).get("progress", {})
+
+
+def parse_revision(text: str) -> tuple[str, int | None]:
+    """`LOCATION@stepN` → (LOCATION, N); a bare path → (path, None)."""
+    location, at, revision = text.rpartition("@")
+    if not at:
+        return text, None
+    found = _STEP.match(revision)
+    if not location or found is None:
+        raise UserError(f"cannot read the revision in --continue-from {text!r}: name it as the Hub does, "
+                        "LOCATION@stepN, e.g. EleutherAI/pythia-160m@step50000.")
+    return location, int(found.group(1))
+
+
+def released_model(name: str) -> re.Match | None:
+    """The parts of a released Pythia model's Hub name (size, deduplication, seed), or None for any other name."""
+    found = _RELEASED.match(name)
+    return found if found is not None and found.group("size") in PYTHIA_SIZES else None
+
+
+def resolve_revision(text: str, endpoint: str | None = None, local_files_only: bool = False) -> RevisionSource:
+    """The model `--continue-from` names, as a local folder: LOCATION@stepN (a Hub repository's branch stepN,
+    downloaded through huggingface_hub; or, where LOCATION is a local folder, its stepN or revisions/stepN) or the
+    path of a stepN folder. A revision that does not exist is refused in one sentence."""
+    location, step = parse_revision(text)
+    local = Path(location)
+    if step is None:
+        found = _STEP.match(local.name)
+        if not local.is_dir() or found is None:
+            raise UserError(f"--continue-from {text!r} is neither a stepN folder nor a revision named LOCATION@stepN: "
+                            "give a Hub name with its branch (EleutherAI/pythia-160m@step50000), a folder of "
+                            "revisions with the step (runs/pythia@step4), or a stepN folder.")
+        folder, step = local, int(found.group(1))
+    elif local.is_dir():
+        candidates = [local / f"step{step}", local / REVISIONS_FOLDER / f"step{step}"]
+        folder = next((candidate for candidate in candidates if (candidate / "config.json").is_file()), None)
+        if folder is None:
+            kept = sorted({int(found.group(1)) for parent in (local, local / REVISIONS_FOLDER) if parent.is_dir()
+                           for child in parent.iterdir() if (found := _STEP.match(child.name))})
+            raise UserError(f"{location} has no revision step{step}: give one of the steps it keeps "
+                            f"({', '.join(map(str, kept)) or 'none'}).")
+    else:
+        folder = download_revision(location, step, endpoint, local_files_only)
+    if not (folder / "config.json").is_file():
+        raise UserError(f"{folder} holds no config.json, so it is not a model in the Hub's layout: give a revision "
+                        "folder with its config.json and weights.")
+    options_path = folder / OPTIONS_FILE
+    options = json.loads(options_path.read_text()) if options_path.is_file() else None
+    released = released_model(location) if options is None else None
+    if released is None and options is None:
+        # A local copy of a released model: its folder's name says which, as the Hub names it.
+        released = next((match for part in reversed(Path(location).resolve().parts)
+                         if (match := released_model(f"EleutherAI/{part}"))), None)
+    return RevisionSource(
+        name=text, step=step, folder=folder, options=options,
+        released=released.group(0) if released is not None else None,
+        deduplicated=bool(released.group("deduped")) if released is not None else None,
+    )
+
+
+def revision_ready(text: str) -> bool:
+    """Whether the revision `text` names is on this machine whole (a local folder; a Hub revision downloaded with
+    every weight file its index lists): what a machine's other processes wait for while its first downloads."""
+    try:
+        folder = resolve_revision(text, local_files_only=True).folder
+    except UserError:
+        return False
+    for index in folder.glob("*.index.json"):
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+        if not all((folder / shard).is_file() for shard in shards):
+            return False
+    return any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))
+
+
+def download_revision(repo_id: str, step: int, endpoint: str | None = None, local_files_only: bool = False) -> Path:
+    """The branch stepN of the Hub repository `repo_id`, downloaded into huggingface_hub's cache (once)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        HFValidationError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        return Path(snapshot_download(repo_id, revision=f"step{step}", allow_patterns=WEIGHT_PATTERNS,
+                                      endpoint=endpoint, local_files_only=local_files_only))
+    except RevisionNotFoundError:
+        raise UserError(f"the Hub repository {repo_id} has no revision step{step}: give a step it keeps (Pythia's "
+                        "are 0, 1, 2, 4 … 512 and every 1000 to 143000).") from None
+    except (RepositoryNotFoundError, HFValidationError):
+        raise UserError(f"{repo_id} is neither a local folder nor a Hub repository you can read: give a Hub name "
+                        "such as EleutherAI/pythia-160m, or an existing folder.") from None
+    except (OfflineModeIsEnabled, LocalEntryNotFoundError) as err:
+        raise UserError(f"cannot download {repo_id}@step{step} ({type(err).__name__}): reach the Hub (unset "
+                        "HF_HUB_OFFLINE), or give a local copy of the revision.") from None
+
+
+@dataclass(frozen=True)
+class ContinuingRun:
+    """What the continuing run is, as its options resolve: the facts a revision must share with it."""
+
+    size: str
+    shape: tuple[int, int, int, int]  # hidden, layers, heads, intermediate
+    vocab_size: int
+    tokenizer_vocabulary: dict[str, int]
+    seq_len: int
+    global_batch_size: int
+    max_steps: int
+    stop_at: int
+    first_batch: str  # cram.data.causal.first_batch_fingerprint of its data
+    deduplicated: bool | None  # as its data's preparation recorded it
+    pythia_steps: int  # the released schedule's length
+    pythia_batch: int
+    pythia_seq_len: int
+
+
+def config_shape(config: dict) -> tuple[int, int, int, int]:
+    return (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"],
+            config.get("intermediate_size", 4 * config["hidden_size"]))
+
+
+def check_continuation(source: RevisionSource, run: ContinuingRun) -> None:
+    """Refuse, in one sentence, a revision this run cannot go on from: another size or vocabulary, data that is not
+    in the revision's order (the released Pile, deduplicated or not, at Pythia's batch; our run's first batch and
+    schedule), or a step at or past the run's stop."""
+    config = json.loads((source.folder / "config.json").read_text())
+    shape = config_shape(config)
+    if shape != run.shape:
+        try:
+            theirs = pythia_size_of(_Shape(*shape))
+        except UserError:
+            theirs = f"a GPT-NeoX of width {shape[0]} and depth {shape[1]}"
+        raise UserError(f"{source.name} is {theirs}, not {run.size}: continue it with --size {theirs}."
+                        if theirs in PYTHIA_SIZES else f"{source.name} is {theirs}, no Pythia size: continue a "
+                        "revision of the --size you train.")
+    if config["vocab_size"] != run.vocab_size:
+        raise UserError(f"{source.name} has {config['vocab_size']:,} embedding rows and this run {run.vocab_size:,}: "
+                        f"pass --vocab-size {config['vocab_size']}.")
+    tokenizer_file = source.folder / "tokenizer.json"
+    if tokenizer_file.is_file() and _vocabulary(tokenizer_file) != run.tokenizer_vocabulary:
+        raise UserError(f"{source.name} was trained with another tokenizer than --tokenizer, mapping text to other "
+                        "ids: pass the tokenizer kept with it.")
+    if source.step >= run.stop_at:
+        raise UserError(f"{source.name} is at step {source.step}, and this run stops at step {run.stop_at}: give a "
+                        f"--stop-at-step after {source.step}.")
+    if source.options is not None:
+        _check_same_order(source, run)
+    elif source.released is not None:
+        _check_released_order(source, run)
+    else:
+        raise UserError(f"{source.name} records neither its run's data order (cram_options.json) nor a released "
+                        "model's name: give a run's revision, a Hub name such as EleutherAI/pythia-160m@step1000, or "
+                        "a local copy kept under the released model's name (pythia-160m/step1000).")
+
+
+class _Shape:
+    """The attributes `pythia_size_of` reads of a config."""
+
+    def __init__(self, hidden: int, layers: int, heads: int, _intermediate: int):
+        self.hidden_size, self.num_hidden_layers, self.num_attention_heads = hidden, layers, heads
+
+
+def _vocabulary(tokenizer_file: Path) -> dict[str, int]:
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(tokenizer_file)).get_vocab(with_added_tokens=True)
+    except Exception as err:  # noqa: BLE001 - a damaged tokenizer.json: one sentence, not a traceback
+        raise UserError(f"cannot read {tokenizer_file} ({type(err).__name__}): give a revision whose tokenizer.json "
+                        "is whole.") from None
+
+
+def _check_same_order(source: RevisionSource, run: ContinuingRun) -> None:
+    resolved = source.options.get("resolved", {})
+    theirs = {"seq_len": resolved.get("seq_len"), "global_batch_size": resolved.get("global_batch_size"),
+              "max_steps": resolved.get("max_steps"), "first batch": resolved.get("first_batch")}
+    ours = {"seq_len": run.seq_len, "global_batch_size": run.global_batch_size, "max_steps": run.max_steps,
+            "first batch": run.first_batch}
+    differences = [f"{key} {theirs[key]} there, {ours[key]} here" for key in ours if theirs[key] != ours[key]]
+    if differences:
+        raise UserError(f"{source.name} was trained on other data or another order than this run's "
+                        f"({'; '.join(differences)}): give the --data, --seq-len, --global-batch-size and "
+                        "--max-steps of the run that kept it.")
+
+
+def _check_released_order(source: RevisionSource, run: ContinuingRun) -> None:
+    variant = released_model(source.released).group("variant")
+    if variant in ("seed", "data-seed"):
+        raise UserError(f"{source.released} trained on a data order of its own (PolyPythias' pile-preshuffled-seeds), "
+                        "which this run's data does not record: continue a model of the original order (pythia-SIZE, "
+                        "pythia-SIZE-deduped or pythia-SIZE-weight-seedN).")
+    pile = "the deduplicated Pile" if source.deduplicated else "the standard Pile"
+    if run.deduplicated is None:
+        raise UserError(f"{source.released} trained on {pile}, and --data records no deduplication: record it with "
+                        "python -m cram.data.megatron --output PREFIX --deduplicated yes|no.")
+    if run.deduplicated != source.deduplicated:
+        raise UserError(f"{source.released} trained on {pile}, and --data is recorded as "
+                        f"{'deduplicated' if run.deduplicated else 'not deduplicated'}: give the data of the model's "
+                        "order, or continue the released model of your data's.")
+    if (run.global_batch_size, run.seq_len, run.max_steps) != (run.pythia_batch, run.pythia_seq_len,
+                                                               run.pythia_steps):
+        raise UserError(f"{source.released} trained at {run.pythia_batch} sequences of {run.pythia_seq_len} tokens "
+                        f"over {run.pythia_steps} steps, and this run at {run.global_batch_size} of {run.seq_len} "
+                        f"over {run.max_steps}: leave --global-batch-size, --seq-len and --max-steps unset.")
+
+
+def read_revision_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a model folder: model.safetensors, its shards (with their index), or pytorch_model.bin and
+    its shards, as transformers saves them and the released Pythia revisions hold them."""
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
+    if not files:
+        raise UserError(f"{folder} holds no weights (model.safetensors or pytorch_model.bin): give a revision with "
+                        "its weights.")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(file) if file.suffix == ".safetensors"
+                       else torch.load(file, map_location="cpu", weights_only=True))
+    return tensors
+
+
+def load_revision_weights(model: torch.nn.Module, source: RevisionSource) -> torch.dtype:
+    """Copy the revision's weights into `model` (upcast to its dtype); the dtype they were kept in."""
+    tensors = read_revision_weights(source.folder)
+    kept = next(iter(tensors.values())).dtype
+    try:
+        load_pythia_weights(model, tensors)
+    except KeyError as missing:
+        raise UserError(f"{source.name} lacks the weight {missing.args[0]}: give a complete revision.") from None
+    return kept
+
+
+def continued_state_record(source: RevisionSource, kept: torch.dtype) -> dict:
+    """What the run's summary and log say of where it started and what it could not carry over."""
+    return {
+        "revision": source.name,
+        "step": source.step,
+        "weights_dtype": str(kept).removeprefix("torch."),
+        "optimizer": "zero moments: a revision keeps the model alone, so Adam's first and second moments start at "
+                     "zero and its bias correction counts from here",
+    }
+
+
+def describe_continuation(source: RevisionSource, record: dict, sequences: int) -> str:
+    """The log line of a continued run."""
+    origin = f"released {source.released}" if source.released else "a kept revision"
+    return (f"continuing {origin} from step {source.step} ({source.name}): its weights (kept in "
+            f"{record['weights_dtype']}), the learning-rate schedule at step {source.step} and the data from "
+            f"sequence {sequences:,}, step {source.step + 1}'s batch; Adam's moments start at zero (a revision keeps "
+            "the model alone), its bias correction counting from here")
