@@ -733,7 +733,8 @@ def test_a_revision_from_the_hub_continues_with_the_uninterrupted_run_s_schedule
     hub_of_revisions.publish("lab/pythia-tiny", uninterrupted_eight_steps / "revisions" / "step4", "step4")
     capsys.readouterr()
     output_dir = tmp_path / "continued"
-    run_in_process(recipe_module, monkeypatch, [*CONTINUED, "--data", prefix, "--tokenizer", tokenizer,
+    # Another seed: the weights it would draw at step 0 are not the revision's, which step 5's loss tells apart.
+    run_in_process(recipe_module, monkeypatch, [*CONTINUED, "--data", prefix, "--tokenizer", tokenizer, "--seed", "7",
                                                 "--output-dir", output_dir, "--continue-from", "lab/pythia-tiny@step4"])
     log = capsys.readouterr().out
     assert "continuing a kept revision from step 4 (lab/pythia-tiny@step4)" in log
