@@ -128,6 +128,10 @@ class ImplementationOptions(RunOptions):
                     "in fp16), or the nearest the device can do, said in the log")
     push_checkpoints: bool = option(
         False, "also push each revision (--revision-steps) to the Hub, as the revision stepN")
+    push_training_states: bool = option(
+        False, "with --push-checkpoints, also push the training state of each revision's step (saved there for it: "
+               "at least 12 bytes per weight, said before step 0) beside its weights, as training_state/, which "
+               "--continue-from NAME@stepN and --resume NAME@stepN resume from on another machine")
     revision_steps: str = option(
         "pythia", "the steps whose model is kept in OUTPUT_DIR/revisions/stepN for the replication check: pythia "
                   "(Pythia's checkpoint steps 0, 1, 2, 4 … 512, then every 1000, within the run), none, or steps and "
@@ -154,6 +158,9 @@ def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
         raise UserError(f"--stop-at-step {training.stop_at_step} is past the schedule's last step {schedule}: give a "
                         f"step up to {schedule}{' or a longer --max-steps' if training.max_steps else ''}.")
     check_run_options(implementation)
+    if implementation.push_training_states and not implementation.push_checkpoints:
+        raise UserError("--push-training-states pushes each state beside its revision: add --push-checkpoints "
+                        "(and --push-to-hub ORG/NAME).")
     return training, implementation
 
 
@@ -199,7 +206,7 @@ def main() -> None:
     peak_lr = training.lr or recipe.peak_lr
     config = pythia_config(training.size, max_position_embeddings=max(seq_len, recipe.seq_len))
     config.vocab_size = training.vocab_size or config.vocab_size
-    run = RecipeRun("pythia", implementation, precision=precision)
+    run = RecipeRun("pythia", implementation, precision=precision, continue_from=training.continue_from)
     accelerator = run.accelerator
     # The global batch split over this launch's processes (again, where a saved run resumes on another count).
     split = run.split(global_batch, training.micro_batch_size)
@@ -262,8 +269,10 @@ def main() -> None:
         enable_activation_checkpointing(model)
     optimizer = build_adamw(model, peak_lr, recipe.betas, recipe.eps, recipe.weight_decay)
     session = run.start(model, optimizer, training, facts={  # what a resumed run must share with the saved one
-        # --stop-at-step may differ: a run stopped early goes on to a later step of the same schedule.
-        "training": {key: value for key, value in dataclasses.asdict(training).items() if key != "stop_at_step"},
+        # --stop-at-step may differ: a run stopped early goes on to a later step of the same schedule; and
+        # --continue-from: a run goes on from another's state it pushed (or a continued run from its own).
+        "training": {key: value for key, value in dataclasses.asdict(training).items()
+                     if key not in ("stop_at_step", "continue_from")},
         "data": {"set": data.name, "sequences": len(data.sequences)},
     }, resolved={
         "max_steps": max_steps, "micro_batch_size": micro_batch, "stop_at_step": stop_at, "seq_len": seq_len,
@@ -300,7 +309,7 @@ def main() -> None:
         lr_shape=recipe.lr_shape(max_steps), accumulation_at=lambda progress: accumulation,
         max_grad_norm=recipe.max_grad_norm, flops_per_token=flops_per_token, blocks=len(data.sequences),
         load_hint=LOAD_HINT.format(checkpoint=str(run.output_dir / "final")), revisions_at=revision_steps,
-        states_at=go_on_from,
+        states_at=go_on_from, push_states=implementation.push_training_states,
     )
 
 

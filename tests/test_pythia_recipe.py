@@ -97,15 +97,17 @@ def single_process(tmp_path_factory, recipe_env, megatron_data) -> Path:
 
 @pytest.fixture(scope="module")
 def zero1_pushed(tmp_path_factory, recipe_env, megatron_data) -> tuple[Path, HubStandIn]:
-    """2 processes under ZeRO-1, pushing the model at each Pythia checkpoint step and at the end."""
+    """2 processes under ZeRO-1, pushing the model at each Pythia checkpoint step, with the training state of its
+    step after step 0, and at the end; its log in launch.log beside its output folder."""
     output_dir = tmp_path_factory.mktemp("zero1") / "run"
     environment = {**recipe_env, "HF_TOKEN": TOKEN}
     environment.pop("HF_HUB_OFFLINE", None)
     with HubStandIn(token=TOKEN, session_address=True) as hub:  # its programs fork as the others do
         command = launch_command("cpu-zero1", megatron_data, output_dir, "--push-to-hub", "lab/pythia-tiny",
-                                 "--push-checkpoints")
+                                 "--push-checkpoints", "--push-training-states")
         completed = run(command, cwd=REPO, env={**environment, "HF_ENDPOINT": hub.endpoint})
     assert completed.returncode == 0, completed.stderr[-3000:]
+    (output_dir.parent / "launch.log").write_text(completed.stdout)
     return output_dir, hub
 
 
@@ -167,6 +169,16 @@ def test_zero1_on_two_processes_matches_one_process_and_pushes_pythia_revisions(
     assert {"step0", "step1", "step2", "step4", "main"} <= set(stored.branches)
     assert "config.json" in stored.branches["step4"] and "model.safetensors" in stored.branches["main"]
     assert hub.unknown_routes == []
+    # Each revision after step 0 with its step's training state (both ranks' ZeRO-1 shards), the size said.
+    for step in (1, 2, 4):
+        pushed = json.loads(stored.branches[f"step{step}"]["training_state/cram_train_state.json"])
+        assert pushed["state"]["optimizer_steps"] == step and pushed["layout"]["num_processes"] == 2
+        shards = [path for path in stored.branches[f"step{step}"] if path.endswith("_optim_states.pt")]
+        assert len(shards) == 2, shards
+    assert not any(path.startswith("training_state/") for path in stored.branches["step0"])
+    log = (output_dir.parent / "launch.log").read_text()
+    assert "training states: pushed beside 3 revisions as training_state/, at least 16.6 MiB each" in log
+    assert "training state of step 2: " in log and "pushed beside revision step2 as training_state/" in log
     # DeepSpeed got the released fp16 loss scaling (the JSON says 2^16), enabled or not by the precision.
     fp16 = options["deepspeed_fp16"]
     assert (fp16["loss_scale"], fp16["initial_scale_power"], fp16["loss_scale_window"], fp16["hysteresis"],
@@ -577,10 +589,17 @@ def assert_moved(output_dir: Path, reference: list[dict], moved_from: int, toler
 
 @pytest.fixture(scope="module")
 def zero1_on_one_process_under_zero3(tmp_path_factory, recipe_env, megatron_data, zero1_pushed) -> Path:
-    """The 2-process ZeRO-1 run's step-2 state, resumed on 1 process under ZeRO-3 (saving its own step-4 state)."""
-    output_dir = state_at(zero1_pushed[0], 2, tmp_path_factory.mktemp("zero1-to-zero3"))
-    completed = resume_launch("cpu-zero3", 1, megatron_data, output_dir, 1, recipe_env)
+    """The 2-process ZeRO-1 run's step-2 state, as it pushed it beside its revision step2, continued from the Hub
+    (a stand-in serving what it pushed) on 1 process under ZeRO-3 in a new folder (saving its own step-4 state)."""
+    output_dir = tmp_path_factory.mktemp("zero1-to-zero3") / "run"
+    environment = {key: value for key, value in recipe_env.items() if key != "HF_HUB_OFFLINE"}
+    with HubStandIn(session_address=True) as hub:
+        hub.repos = zero1_pushed[1].repos
+        completed = resume_launch("cpu-zero3", 1, megatron_data, output_dir, 1,
+                                  {**environment, "HF_ENDPOINT": hub.endpoint},
+                                  "--continue-from", "lab/pythia-tiny@step2")
     assert "saved on 2 process(es), deepspeed ZeRO-1, resumed on 1 process(es), deepspeed ZeRO-3" in completed.stdout
+    assert f"resuming from {output_dir / 'checkpoints' / 'step-00000002'}: step 2" in completed.stdout
     return output_dir
 
 
@@ -634,14 +653,21 @@ def test_a_ddp_state_moves_from_one_process_to_two_and_back_to_the_same_losses(
 
 
 def test_a_state_resumes_only_in_the_form_it_was_saved_in(recipe_module, monkeypatch, tmp_path, megatron_data,
-                                                           zero1_pushed):
-    # A DeepSpeed state on a launch without DeepSpeed: refused in this process, before any step.
-    output_dir = state_at(zero1_pushed[0], 2, tmp_path)
+                                                           zero1_pushed, hub_of_revisions):
+    # A DeepSpeed state on a launch without DeepSpeed, named by --resume as the Hub revision it was pushed beside:
+    # downloaded into the run's checkpoints, then refused in this process, before any step.
+    hub_of_revisions.repos = zero1_pushed[1].repos
+    output_dir = tmp_path / "run"
     text = refusal(recipe_module, monkeypatch, [*recipe_arguments(megatron_data, output_dir, 1)[1:],
-                                                "--resume", "auto"])
+                                                "--resume", "lab/pythia-tiny@step2"])
     assert "its state was saved under deepspeed" in text and "launch with a deepspeed config" in text
     assert text.count(". ") == 0
     assert sorted(path.name for path in (output_dir / "checkpoints").iterdir()) == ["step-00000002"]
+    # A revision with the model alone is no state to resume.
+    text = refusal(recipe_module, monkeypatch, [*recipe_arguments(megatron_data, tmp_path / "other", 1)[1:],
+                                                "--resume", "lab/pythia-tiny@step0"])
+    assert text.startswith("lab/pythia-tiny@step0 keeps no training state (the model alone): continue from it "
+                           "with --continue-from") and text.count(". ") == 0
 
 
 BF16 = ["--precision", "bf16"]

@@ -12,8 +12,13 @@ counts from the continuation, as for a fresh optimizer.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import shutil
+import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,9 +26,11 @@ import torch
 
 from cram.errors import UserError
 from cram.models.pythia_model import PYTHIA_SIZES, load_pythia_weights, pythia_size_of
+from cram.train.checkpoint import OPTIONS_FILE, STATE_FILE, state_folder_name
 
-OPTIONS_FILE = "cram_options.json"  # cram.train.checkpoint's: what our runs keep beside each model
 REVISIONS_FOLDER = "revisions"  # cram.train.revisions': where a run keeps its stepN models
+# Inside a revision pushed with --push-training-states: the training state of its step, as the run saved it.
+TRAINING_STATE_FOLDER = "training_state"
 _STEP = re.compile(r"^step(\d+)$")
 # EleutherAI's released models: pythia-SIZE, its deduplicated twin, and PolyPythias' seeds (van der Wal et al.,
 # ICLR 2025): seedN (init and data order of their own), weight-seedN (init only), data-seedN (data order only).
@@ -84,13 +91,7 @@ def resolve_revision(text: str, endpoint: str | None = None, local_files_only: b
                             "revisions with the step (runs/pythia@step4), or a stepN folder.")
         folder, step = local, int(found.group(1))
     elif local.is_dir():
-        candidates = [local / f"step{step}", local / REVISIONS_FOLDER / f"step{step}"]
-        folder = next((candidate for candidate in candidates if (candidate / "config.json").is_file()), None)
-        if folder is None:
-            kept = sorted({int(found.group(1)) for parent in (local, local / REVISIONS_FOLDER) if parent.is_dir()
-                           for child in parent.iterdir() if (found := _STEP.match(child.name))})
-            raise UserError(f"{location} has no revision step{step}: give one of the steps it keeps "
-                            f"({', '.join(map(str, kept)) or 'none'}).")
+        folder = local_revision(local, step)
     else:
         folder = download_revision(location, step, endpoint, local_files_only)
     if not (folder / "config.json").is_file():
@@ -110,6 +111,18 @@ def resolve_revision(text: str, endpoint: str | None = None, local_files_only: b
     )
 
 
+def local_revision(folder: Path, step: int) -> Path:
+    """The revision stepN in a local folder of revisions (or a run's folder, which keeps them in revisions/)."""
+    candidates = [folder / f"step{step}", folder / REVISIONS_FOLDER / f"step{step}"]
+    found = next((candidate for candidate in candidates if (candidate / "config.json").is_file()), None)
+    if found is None:
+        kept = sorted({int(match.group(1)) for parent in (folder, folder / REVISIONS_FOLDER) if parent.is_dir()
+                       for child in parent.iterdir() if (match := _STEP.match(child.name))})
+        raise UserError(f"{folder} has no revision step{step}: give one of the steps it keeps "
+                        f"({', '.join(map(str, kept)) or 'none'}).")
+    return found
+
+
 def revision_ready(text: str) -> bool:
     """Whether the revision `text` names is on this machine whole (a local folder; a Hub revision downloaded with
     every weight file its index lists): what a machine's other processes wait for while its first downloads."""
@@ -127,6 +140,15 @@ def revision_ready(text: str) -> bool:
 def download_revision(repo_id: str, step: int, endpoint: str | None = None, local_files_only: bool = False) -> Path:
     """The branch stepN of the Hub repository `repo_id`, downloaded into huggingface_hub's cache (once)."""
     from huggingface_hub import snapshot_download
+
+    with hub_errors(repo_id, step):
+        return Path(snapshot_download(repo_id, revision=f"step{step}", allow_patterns=WEIGHT_PATTERNS,
+                                      endpoint=endpoint, local_files_only=local_files_only))
+
+
+@contextlib.contextmanager
+def hub_errors(repo_id: str, step: int) -> Iterator[None]:
+    """huggingface_hub's errors on reading the revision stepN of `repo_id`, each as one sentence."""
     from huggingface_hub.errors import (
         HFValidationError,
         LocalEntryNotFoundError,
@@ -136,8 +158,7 @@ def download_revision(repo_id: str, step: int, endpoint: str | None = None, loca
     )
 
     try:
-        return Path(snapshot_download(repo_id, revision=f"step{step}", allow_patterns=WEIGHT_PATTERNS,
-                                      endpoint=endpoint, local_files_only=local_files_only))
+        yield
     except RevisionNotFoundError:
         raise UserError(f"the Hub repository {repo_id} has no revision step{step}: give a step it keeps (Pythia's "
                         "are 0, 1, 2, 4 … 512 and every 1000 to 143000).") from None
@@ -147,6 +168,54 @@ def download_revision(repo_id: str, step: int, endpoint: str | None = None, loca
     except (OfflineModeIsEnabled, LocalEntryNotFoundError) as err:
         raise UserError(f"cannot download {repo_id}@step{step} ({type(err).__name__}): reach the Hub (unset "
                         "HF_HUB_OFFLINE), or give a local copy of the revision.") from None
+
+
+def training_state_in(text: str) -> bool:
+    """Whether the revision `text` names keeps its step's training state (`TRAINING_STATE_FOLDER`, pushed with
+    --push-training-states): looked for in a local folder, or in the Hub revision's list of files."""
+    location, step = parse_revision(text)
+    local = Path(location)
+    if step is None or local.is_dir():
+        folder = local if step is None else local_revision(local, step)
+        return (folder / TRAINING_STATE_FOLDER / STATE_FILE).is_file()
+    from huggingface_hub import HfApi
+
+    with hub_errors(location, step):
+        return f"{TRAINING_STATE_FOLDER}/{STATE_FILE}" in HfApi().list_repo_files(location, revision=f"step{step}")
+
+
+def training_state_ready(text: str, checkpoints: Path) -> bool:
+    """Whether `fetch_training_state` would find the state on this machine without downloading."""
+    location, step = parse_revision(text)
+    if step is None or Path(location).is_dir():
+        return True
+    return (checkpoints / state_folder_name(step) / STATE_FILE).is_file()
+
+
+def fetch_training_state(text: str, checkpoints: Path) -> Path:
+    """The training state kept with the revision `text` names, to resume from: a local one where it lies, a Hub
+    one downloaded into `checkpoints/step-NNNNNNNN` as the run's own state (under a temporary name until whole;
+    the first process of each machine downloads, and where they share the disk, the first rename wins)."""
+    location, step = parse_revision(text)
+    local = Path(location)
+    if step is None or local.is_dir():
+        return (local if step is None else local_revision(local, step)) / TRAINING_STATE_FOLDER
+    target = checkpoints / state_folder_name(step)
+    if (target / STATE_FILE).is_file():
+        return target
+    from huggingface_hub import snapshot_download
+
+    staging = checkpoints / f"{target.name}.download-{socket.gethostname()}-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    with hub_errors(location, step):
+        snapshot_download(location, revision=f"step{step}", allow_patterns=[f"{TRAINING_STATE_FOLDER}/*"],
+                          local_dir=staging)
+    try:
+        (staging / TRAINING_STATE_FOLDER).rename(target)
+    except OSError:  # another machine's process renamed its own first
+        pass
+    shutil.rmtree(staging, ignore_errors=True)
+    return target
 
 
 @dataclass(frozen=True)

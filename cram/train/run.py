@@ -31,6 +31,12 @@ from cram.train.checkpoint import (
     read_record,
 )
 from cram.train.compilation import compile_reason, is_compiled
+from cram.train.continuation import (
+    TRAINING_STATE_FOLDER,
+    fetch_training_state,
+    training_state_in,
+    training_state_ready,
+)
 from cram.train.curves import CheckpointCurves, write_training_curves
 from cram.train.layout import (
     UNIVERSAL_FOLDER,
@@ -57,6 +63,8 @@ from cram.train.revisions import (
     ScheduledCheckpointer,
     linked_copy,
     revisions_disk_line,
+    size_text,
+    training_states_line,
 )
 from cram.train.run_options import RunOptions, default_num_workers
 from cram.train.state import TrainState
@@ -90,9 +98,12 @@ class RecipeRun:
         session.train(batches, clock, tokenizer=..., card=..., peak_lr=..., ...)
     """
 
-    def __init__(self, project: str, options: RunOptions, precision: Precision | None = None):
+    def __init__(self, project: str, options: RunOptions, precision: Precision | None = None,
+                 continue_from: str | None = None):
         """`precision`: the choice a recipe resolved from its own option (Pythia's `released`); unset means
-        `options.precision`."""
+        `options.precision`. `continue_from`: a kept model the run goes on from (Pythia's --continue-from), which
+        it resumes from as a saved state where the revision keeps its step's training state and the run has none
+        of its own yet."""
         self.project = project
         self.options = options
         self.output_dir = Path(options.output_dir)
@@ -104,11 +115,6 @@ class RecipeRun:
         self.device_type = self.accelerator.device.type
         self.continued_at: int | None = None  # the step a fresh run went on from (`start`'s `continued`)
         self.use_compile = is_compiled(self.accelerator)
-        self.resume_from = find_checkpoint(options.resume, self.output_dir / "checkpoints")
-        self.layout = current_layout(self.accelerator)
-        # What the checkpoint to resume from records: its facts and the layout that wrote it.
-        self.saved = read_record(self.resume_from) if self.resume_from is not None else None
-        self.saved_layout: Layout | None = saved_layout(self.saved) if self.saved is not None else None
         if options.resume == "none" and complete_checkpoints(self.output_dir / "checkpoints"):
             raise UserError(
                 f"{self.output_dir} already holds checkpoints of a run: continue it with --resume auto, "
@@ -120,6 +126,30 @@ class RecipeRun:
                 f"{self.output_dir} already holds a finished model (final/): start a new run in another --output-dir, "
                 "or delete that folder first."
             )
+        self.resume_from = self._checkpoint_to_resume(continue_from)
+        self.layout = current_layout(self.accelerator)
+        # What the checkpoint to resume from records: its facts and the layout that wrote it.
+        self.saved = read_record(self.resume_from) if self.resume_from is not None else None
+        self.saved_layout: Layout | None = saved_layout(self.saved) if self.saved is not None else None
+
+    def _checkpoint_to_resume(self, continue_from: str | None) -> Path | None:
+        """The state --resume names (a Hub revision NAME@stepN's pushed training state, downloaded into the run's
+        checkpoints/); else, where the run has none of its own, the training state kept with `continue_from`."""
+        checkpoints = self.output_dir / "checkpoints"
+        resume = self.options.resume
+        if resume not in ("none", "auto") and "@" in resume:
+            if not training_state_in(resume):
+                raise UserError(f"{resume} keeps no training state (the model alone): continue from it with "
+                                "--continue-from, or push runs' states with --push-training-states.")
+            return self._fetch_training_state(resume, checkpoints)
+        found = find_checkpoint(resume, checkpoints)
+        if found is None and continue_from is not None and training_state_in(continue_from):
+            found = self._fetch_training_state(continue_from, checkpoints)
+        return found
+
+    def _fetch_training_state(self, revision: str, checkpoints: Path) -> Path:
+        return local_main_first(self.accelerator, lambda: fetch_training_state(revision, checkpoints),
+                                ready=lambda: training_state_ready(revision, checkpoints))
 
     @property
     def is_main_process(self) -> bool:
@@ -251,7 +281,7 @@ class RunSession:
         self, batches: Iterator[dict], clock: WallClock, *, tokenizer: PreTrainedTokenizerBase, card: dict,
         peak_lr: float, lr_shape: Callable[[float], float], accumulation_at: Callable[[Pace], int],
         max_grad_norm: float, flops_per_token: float, blocks: int, load_hint: str,
-        revisions_at: Collection[int] | None = None, states_at: Collection[int] = (),
+        revisions_at: Collection[int] | None = None, states_at: Collection[int] = (), push_states: bool = False,
     ) -> None:
         """`cram.train.loop.train` with this run's accelerator, logging interval, checkpoints and stop signal, then
         the end of the run: stopped by a signal, the state saved; else the model exported with its summary, curves
@@ -261,8 +291,10 @@ class RunSession:
         plot where the last was drawn minutes ago (`CheckpointCurves`). Without `revisions_at`, --push-checkpoints
         pushes each state's model to the Hub revision named for its folder; with it, the model is exported at those
         steps to OUTPUT_DIR/revisions/stepN (step 0: before training, in a fresh run), and --push-checkpoints pushes
-        those as the revisions stepN, as the released Pythia models have them."""
-        checkpointer = self._start_checkpoints(tokenizer, card, revisions_at, states_at)
+        those as the revisions stepN, as the released Pythia models have them; with `push_states` too, each with
+        the training state of its step (saved there for it) in the revision's `training_state/`, which
+        `--continue-from` and `--resume` take from the Hub (`cram.train.continuation`)."""
+        checkpointer = self._start_checkpoints(tokenizer, card, revisions_at, states_at, push_states)
         finished = train(
             self.model, self.optimizer, batches, self.accelerator, clock, self.state, peak_lr=peak_lr,
             lr_shape=lr_shape, accumulation_at=accumulation_at, max_grad_norm=max_grad_norm,
@@ -274,7 +306,7 @@ class RunSession:
 
     def _start_checkpoints(
         self, tokenizer: PreTrainedTokenizerBase, card: dict, revisions_at: Collection[int] | None,
-        states_at: Collection[int],
+        states_at: Collection[int], push_states: bool = False,
     ) -> Checkpointer:
         """The checkpointer `train` describes; installs the preemption handler."""
         options, state, model = self.options, self.state, self.model
@@ -302,8 +334,11 @@ class RunSession:
                 dtype = next(self.accelerator.unwrap_model(model).parameters()).dtype
                 print(revisions_disk_line(sorted(revisions.steps - revisions.saved), self.parameters, dtype,
                                           revisions.directory))
+                if push_states:
+                    print(training_states_line(sorted(revisions.steps - revisions.saved - {0}), self.parameters))
         checkpointer = ScheduledCheckpointer(
             revisions, self.accelerator, self.output_dir / "checkpoints", self.facts, states_at=states_at,
+            states_with_revisions=push_states and options.push_checkpoints,
             every_steps=options.checkpoint_every,
             every_seconds=options.checkpoint_every_minutes * 60,
             keep=options.keep_checkpoints,
@@ -327,14 +362,20 @@ class RunSession:
         write_model_card(exported, self.card(state, **card))
         self.pusher.submit(exported, revision=revision)
 
-    def _push_revision(self, card: dict) -> Callable[[TrainState, Path, str], None]:
+    def _push_revision(self, card: dict) -> Callable[[TrainState, Path, str, Path | None], None]:
         """What a `RevisionSaver` calls after each export: push a linked copy of it (the pusher deletes what it
-        pushed; the revision stays on disk) with its model card to the Hub revision of its name, from rank 0."""
+        pushed; the revision stays on disk, the training state until the checkpoints' pruning) with its model card,
+        and the step's training state where given, to the Hub revision of its name, from rank 0."""
 
-        def publish(state: TrainState, exported: Path, revision: str) -> None:
+        def publish(state: TrainState, exported: Path, revision: str, training_state: Path | None) -> None:
             if not self.is_main_process:
                 return
             upload = linked_copy(exported, self.output_dir / "hub-uploads" / revision)
+            if training_state is not None:
+                copied = linked_copy(training_state, upload / TRAINING_STATE_FOLDER)
+                size = sum(path.stat().st_size for path in copied.rglob("*") if path.is_file())
+                print(f"training state of step {state.optimizer_steps}: {size_text(size)}, pushed beside revision "
+                      f"{revision} as {TRAINING_STATE_FOLDER}/")
             write_model_card(upload, self.card(state, **card))
             self.pusher.submit(upload, revision=revision)
 
