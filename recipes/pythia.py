@@ -57,15 +57,17 @@ from cram.models.pythia_recipe import (
 from cram.train.accelerator import launch_device_type, local_main_first
 from cram.train.activation_checkpointing import enable_activation_checkpointing
 from cram.train.budget import StepClock
-from cram.train.checkpoint import read_checkpoint
+from cram.train.checkpoint import STATE_FILE, read_checkpoint, state_folder_name
 from cram.train.continuation import (
     ContinuingRun,
     check_continuation,
     continued_state_record,
     describe_continuation,
+    describe_gpt_neox_continuation,
     load_revision_weights,
     resolve_revision,
     revision_ready,
+    write_gpt_neox_continuation,
 )
 from cram.train.deepspeed_setup import configure_deepspeed
 from cram.train.loss_scaling import fp16_loss_scaling
@@ -254,8 +256,21 @@ def main() -> None:
             pythia_batch=recipe.global_batch_size, pythia_seq_len=recipe.seq_len))
     plugin = accelerator.state.deepspeed_plugin  # zero.Init only where the launch config asks for it
     model = build_pythia_model(training.size, config, zero_init=plugin is not None and plugin.is_zero3_init_enabled())
+    if implementation.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    optimizer = build_adamw(model, peak_lr, recipe.betas, recipe.eps, recipe.weight_decay)
     continued = None
-    if source is not None:
+    if source is not None and source.gpt_neox is not None:
+        # GPT-NeoX's own training state, written as this run's state at its step, which the run resumes from.
+        checkpoints = run.output_dir / "checkpoints"
+        run.resume_from_state(local_main_first(
+            accelerator, lambda: write_gpt_neox_continuation(source, model, optimizer, run.layout, checkpoints,
+                                                             global_batch, seq_len),
+            ready=lambda: (checkpoints / state_folder_name(source.step) / STATE_FILE).is_file()))
+        if run.is_main_process:
+            continued_from = read_checkpoint(run.resume_from)[0].continued_from
+            print(describe_gpt_neox_continuation(continued_from, source.step * global_batch))
+    elif source is not None:
         record = continued_state_record(source, load_revision_weights(model, source))
         # Step N's update done: the schedule stands at N less the updates fp16 overflows skipped (as our run
         # recorded them; a released revision records none), and the data at step N + 1's batch.
@@ -265,9 +280,6 @@ def main() -> None:
                                continued_from=record)
         if run.is_main_process:
             print(describe_continuation(source, record, continued.sequences))
-    if implementation.activation_checkpointing:
-        enable_activation_checkpointing(model)
-    optimizer = build_adamw(model, peak_lr, recipe.betas, recipe.eps, recipe.weight_decay)
     session = run.start(model, optimizer, training, facts={  # what a resumed run must share with the saved one
         # --stop-at-step may differ: a run stopped early goes on to a later step of the same schedule; and
         # --continue-from: a run goes on from another's state it pushed (or a continued run from its own).

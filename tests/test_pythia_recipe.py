@@ -740,12 +740,13 @@ def hub_of_revisions(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="module")
 def uninterrupted_eight_steps(recipe_module, megatron_data, tmp_path_factory) -> Path:
-    """Pythia's first 8 steps at the test's batch, in this process: its revisions at 0, 1, 2, 4 and 8."""
+    """Pythia's first 8 steps at the test's batch, in this process: its revisions at 0, 1, 2, 4 and 8, its training
+    states at 4 and 8."""
     prefix, tokenizer = megatron_data
     output_dir = tmp_path_factory.mktemp("eight") / "run"
     with pytest.MonkeyPatch.context() as monkeypatch:
         run_in_process(recipe_module, monkeypatch, [*CONTINUED, "--data", prefix, "--tokenizer", tokenizer,
-                                                    "--output-dir", output_dir])
+                                                    "--output-dir", output_dir, "--checkpoint-every", "4"])
     return output_dir
 
 
@@ -837,3 +838,150 @@ def test_a_revision_the_run_cannot_go_on_from_is_refused_in_one_sentence(
     text = refusal(recipe_module, monkeypatch, [*base, *extra])
     assert message in text and text.count(". ") == 0, text
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "final").exists()
+
+
+# GPT-NeoX's own training state (tests/gpt_neox_standin.py): the uninterrupted run's step-4 state, written by
+# DeepSpeed's pipeline engine on 2 ranks under ZeRO-1 as GPT-NeoX writes Pythia's, continued to step 8. fp32 weights
+# and moments carried bit for bit give the uninterrupted run's losses to fp32's rounding; zero moments move the losses
+# after step 5 by hundreds of times this.
+CONVERTED_FP32_LOSS = 1e-6
+
+
+@pytest.fixture(scope="module")
+def gpt_neox_checkpoint(tmp_path_factory, recipe_env, uninterrupted_eight_steps) -> Path:
+    output = tmp_path_factory.mktemp("gpt-neox") / "checkpoints"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [torchrun, "--standalone", "--nproc_per_node", "2", REPO / "tests" / "gpt_neox_standin.py",
+               uninterrupted_eight_steps / "checkpoints" / "step-00000004", uninterrupted_eight_steps / "revisions" /
+               "step4", output, "4", "4", "32", "143000"]
+    completed = run(command, cwd=REPO, env={**recipe_env, "PYTHONPATH": str(REPO)})
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return output / "global_step4"
+
+
+def assert_continued_exactly(continued: Path, uninterrupted: Path, tolerance: float) -> None:
+    mine, reference = history(continued), history(uninterrupted)
+    assert [row["step"] for row in mine] == [5, 6, 7, 8]
+    for row, expected in zip(mine, reference[4:], strict=True):
+        assert row["loss"] == pytest.approx(expected["loss"], abs=tolerance), row["step"]
+        assert row["grad_norm"] == pytest.approx(expected["grad_norm"], rel=MOVED_FP32_GRAD_NORM), row["step"]
+        assert row["lr"] == expected["lr"], row["step"]
+
+
+def test_gpt_neox_s_own_training_state_continues_with_the_uninterrupted_run_s_losses(
+    recipe_module, monkeypatch, capsys, tmp_path, megatron_data, uninterrupted_eight_steps, gpt_neox_checkpoint
+):
+    """Converted on one process without DeepSpeed: Accelerate's files of GPT-NeoX's fp32 master weights, Adam's
+    moments and step, resumed as the run's own step-4 state."""
+    prefix, tokenizer = megatron_data
+    capsys.readouterr()
+    output_dir = tmp_path / "continued"
+    run_in_process(recipe_module, monkeypatch, [*CONTINUED, "--data", prefix, "--tokenizer", tokenizer, "--seed", "7",
+                                                "--output-dir", output_dir, "--continue-from", gpt_neox_checkpoint])
+    log = capsys.readouterr().out
+    assert ("GPT-NeoX's: its fp32 master weights, Adam's moments and step count (4) from the 2 ranks' ZeRO-1 files; "
+            "the learning-rate schedule at its step 4 and the data from sequence 16") in log
+    assert f"resuming from {output_dir / 'checkpoints' / 'step-00000004'}: step 4" in log
+    assert_continued_exactly(output_dir, uninterrupted_eight_steps, CONVERTED_FP32_LOSS)
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["continued_from"]["optimizer"].startswith("GPT-NeoX's: its fp32 master weights")
+
+
+def test_gpt_neox_s_state_continues_under_another_zero_stage_and_process_count(
+    tmp_path, recipe_env, megatron_data, uninterrupted_eight_steps, gpt_neox_checkpoint
+):
+    """Saved by 2 ranks under ZeRO-1, continued on 1 process under ZeRO-3 through DeepSpeed's universal form: the
+    uninterrupted run's losses to the regrouped sums' tolerance."""
+    prefix, tokenizer = megatron_data
+    output_dir = tmp_path / "run"
+    command = [*accelerate_launch(REPO / "accel_configs" / "cpu-zero3.yaml"), "--num_processes", "1", RECIPE,
+               *CONTINUED, "--micro-batch-size", "1", "--data", prefix, "--tokenizer", tokenizer, "--output-dir",
+               output_dir, "--continue-from", gpt_neox_checkpoint]
+    completed = run(command, cwd=REPO, env=recipe_env)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "saved on 2 process(es), deepspeed ZeRO-1, resumed on 1 process(es), deepspeed ZeRO-3" in completed.stdout
+    assert_continued_exactly(output_dir, uninterrupted_eight_steps, MOVED_FP32_LOSS)
+    zero = output_dir / "checkpoints" / "step-00000004" / UNIVERSAL_FOLDER / "pytorch_model" / "zero"
+    assert (zero / "lm_head.weight" / "exp_avg_sq.pt").is_file()
+
+
+def test_gpt_neox_s_pipeline_names_map_to_transformers_gpt_neox():
+    from cram.train.gpt_neox_checkpoint import transformers_name
+
+    assert transformers_name("0.word_embeddings.weight", 6) == "gpt_neox.embed_in.weight"
+    assert transformers_name("2.attention.query_key_value.weight", 6) == \
+        "gpt_neox.layers.0.attention.query_key_value.weight"  # fused QKV: one layout in both
+    assert transformers_name("7.mlp.dense_4h_to_h.bias", 6) == "gpt_neox.layers.5.mlp.dense_4h_to_h.bias"
+    assert transformers_name("3.mlp.linear1.weight", 6) == "gpt_neox.layers.1.mlp.dense_h_to_4h.weight"  # later names
+    assert transformers_name("9.norm.weight", 6) == "gpt_neox.final_layer_norm.weight"
+    assert transformers_name("10.final_linear.weight", 6) == "embed_out.weight"  # untied output layer
+    assert transformers_name("8.norm.weight", 6) is None and transformers_name("11.final_linear.weight", 6) is None
+
+
+def rewrite_optimizer_files(folder: Path, change) -> None:
+    for path in folder.glob("zero_pp_rank_*_optim_states.pt"):
+        saved = torch.load(path, weights_only=False)
+        change(saved["optimizer_state_dict"])
+        torch.save(saved, path)
+
+
+def test_gpt_neox_s_fp16_loss_scale_is_read_and_given_to_the_run_s_scaler(tmp_path, gpt_neox_checkpoint):
+    """The dynamic scaler a GPT-NeoX fp16 run pickles (DeepSpeed's own DynamicLossScaler; the CPU trains no fp16),
+    read from the optimizer files and given to DeepSpeed's scaler and to cram's GradScaler of DeepSpeed's rules."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from cram.train.gpt_neox_checkpoint import read_gpt_neox_checkpoint
+    from cram.train.loss_scaling import HysteresisGradScaler, restore_loss_scale
+
+    folder = Path(shutil.copytree(gpt_neox_checkpoint, tmp_path / "global_step4"))
+    saved_scaler = DynamicLossScaler(init_scale=2**12, scale_window=1000, min_scale=1, delayed_shift=2,
+                                     consecutive_hysteresis=False)
+    saved_scaler.cur_scale, saved_scaler.cur_iter, saved_scaler.last_overflow_iter = 512.0, 4, 3
+    saved_scaler.cur_hysteresis = 1
+
+    def as_fp16(state: dict) -> None:
+        state["loss_scaler"], state["dynamic_loss_scale"] = saved_scaler, True
+
+    rewrite_optimizer_files(folder, as_fp16)
+    loss_scale = read_gpt_neox_checkpoint(folder, 6).loss_scale
+    assert loss_scale == {"cur_scale": 512.0, "cur_iter": 4, "last_overflow_iter": 3, "cur_hysteresis": 1,
+                          "dynamic": True}
+    engine_scaler = DynamicLossScaler(init_scale=2**12, scale_window=1000, min_scale=1, delayed_shift=2,
+                                     consecutive_hysteresis=False)
+    restore_loss_scale(SimpleNamespace(scaler=None), SimpleNamespace(optimizer=SimpleNamespace(
+        loss_scaler=engine_scaler)), loss_scale)
+    assert (engine_scaler.cur_scale, engine_scaler.cur_iter, engine_scaler.last_overflow_iter,
+            engine_scaler.cur_hysteresis) == (512.0, 4, 3, 1)
+    scaler = HysteresisGradScaler("cpu", init_scale=2.0**12, growth_interval=1000, hysteresis=2, min_scale=1.0)
+    restore_loss_scale(SimpleNamespace(scaler=scaler), SimpleNamespace(), loss_scale)
+    state = scaler.state_dict()
+    assert (state["scale"], state["iteration"], state["last_overflow_iteration"], state["hysteresis_left"]) == (
+        512.0, 4, 3, 1)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("DeeperSpeed 0.3's stage 1", "was written by an older DeepSpeed's ZeRO-1 (DeeperSpeed 0.3's stage-1 optimizer"),
+    ("a rank's file missing", "holds 1 of the 2 ranks' optimizer files: give a checkpoint every rank finished saving"),
+    ("another size", "is pythia-14m, not pythia-31m: continue it with --size pythia-14m"),
+    ("another batch", "was trained at another batch or schedule than this run's (global_batch_size 4 there, 8 here)"),
+])
+def test_a_gpt_neox_checkpoint_the_run_cannot_go_on_from_is_refused_in_one_sentence(
+    recipe_module, monkeypatch, tmp_path, megatron_data, gpt_neox_checkpoint, case, message
+):
+    prefix, tokenizer = megatron_data
+    folder = Path(shutil.copytree(gpt_neox_checkpoint, tmp_path / "global_step4"))
+    extra = []
+    if case == "DeeperSpeed 0.3's stage 1":  # stage1.py's state dict: sub-partitions, not one partition per group
+        rewrite_optimizer_files(folder, lambda state: state.update(
+            local_sub_partitions_of_fp32_groups=state.pop("single_partition_of_fp32_groups")))
+    elif case == "a rank's file missing":
+        (folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    else:
+        extra = {"another size": ["--size", "pythia-31m"], "another batch": ["--global-batch-size", "8"]}[case]
+    text = refusal(recipe_module, monkeypatch, [*CONTINUED, "--data", prefix, "--tokenizer", tokenizer,
+                                                "--output-dir", tmp_path / "run", "--continue-from", folder, *extra])
+    assert message in text and text.count(". ") == 0, text
+    assert not (tmp_path / "run" / "final").exists()
+    assert not any((tmp_path / "run" / "checkpoints").glob("step-*")) if (tmp_path / "run").exists() else True

@@ -13,6 +13,7 @@ counts from the continuation, as for a fresh optimizer.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -27,6 +28,19 @@ import torch
 from cram.errors import UserError
 from cram.models.pythia_model import PYTHIA_SIZES, load_pythia_weights, pythia_size_of
 from cram.train.checkpoint import OPTIONS_FILE, STATE_FILE, state_folder_name
+from cram.train.gpt_neox_checkpoint import (
+    GPTNeoXState,
+    data_parallel_size,
+    gpt_neox_folder,
+    gpt_neox_schedule,
+    gpt_neox_shape,
+    optimizer_files_whole,
+    read_gpt_neox_checkpoint,
+    write_accelerate_state,
+    write_universal_state,
+)
+from cram.train.layout import Layout, layout_record
+from cram.train.state import TrainState
 
 REVISIONS_FOLDER = "revisions"  # cram.train.revisions': where a run keeps its stepN models
 # Inside a revision pushed with --push-training-states: the training state of its step, as the run saved it.
@@ -34,12 +48,17 @@ TRAINING_STATE_FOLDER = "training_state"
 _STEP = re.compile(r"^step(\d+)$")
 # EleutherAI's released models: pythia-SIZE, its deduplicated twin, and PolyPythias' seeds (van der Wal et al.,
 # ICLR 2025): seedN (init and data order of their own), weight-seedN (init only), data-seedN (data order only).
-_RELEASED = re.compile(r"^EleutherAI/(?P<size>pythia-[0-9.]+[mb])(?P<deduped>-deduped)?"
-                       r"(?:-(?P<variant>seed|weight-seed|data-seed)(?P<seed>\d+))?$")
+# Their GPT-NeoX training states are EleutherAI/neox-ckpt-NAME (the original suite's final step as NAME-v1).
+_RELEASED = re.compile(r"^EleutherAI/(?P<neox>neox-ckpt-)?(?P<size>pythia-[0-9.]+[mb])(?P<deduped>-deduped)?"
+                       r"(?:-(?P<variant>seed|weight-seed|data-seed)(?P<seed>\d+))?(?P<version>-v\d+)?$")
+_GLOBAL_STEP = re.compile(r"^global_step(\d+)$")
 # What a revision's folder holds that continuing reads: the config, the weights in any of transformers' layouts,
 # the tokenizer (to compare vocabularies) and our runs' record.
 WEIGHT_PATTERNS = ["config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin",
-                   "pytorch_model.bin.index.json", "tokenizer.json", OPTIONS_FILE]
+                   "pytorch_model.bin.index.json", "tokenizer.json", OPTIONS_FILE,
+                   # A GPT-NeoX checkpoint's (EleutherAI/neox-ckpt-*): its layer, model and optimizer files, the tag
+                   # `latest` names and the configuration it kept.
+                   "*.pt", "latest", "*.yml", "*.yaml"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +71,7 @@ class RevisionSource:
     released: str | None = None  # the released model's Hub name, e.g. EleutherAI/pythia-160m-deduped
     deduplicated: bool | None = None  # the released model's data: the deduplicated Pile or the standard one
     options: dict | None = None  # our run's record kept beside the model (cram_options.json), where it kept one
+    gpt_neox: Path | None = None  # where the revision is GPT-NeoX's own training state: its checkpoint folder
 
     @property
     def progress(self) -> dict:
@@ -84,19 +104,22 @@ def resolve_revision(text: str, endpoint: str | None = None, local_files_only: b
     location, step = parse_revision(text)
     local = Path(location)
     if step is None:
-        found = _STEP.match(local.name)
+        found = _STEP.match(local.name) or _GLOBAL_STEP.match(local.name)
         if not local.is_dir() or found is None:
             raise UserError(f"--continue-from {text!r} is neither a stepN folder nor a revision named LOCATION@stepN: "
                             "give a Hub name with its branch (EleutherAI/pythia-160m@step50000), a folder of "
                             "revisions with the step (runs/pythia@step4), or a stepN folder.")
         folder, step = local, int(found.group(1))
     elif local.is_dir():
-        folder = local_revision(local, step)
+        neox = next((found for candidate in (local / f"step{step}", local / f"global_step{step}")
+                     if candidate.is_dir() and (found := gpt_neox_folder(candidate))), None)
+        folder = neox or local_revision(local, step)
     else:
         folder = download_revision(location, step, endpoint, local_files_only)
-    if not (folder / "config.json").is_file():
-        raise UserError(f"{folder} holds no config.json, so it is not a model in the Hub's layout: give a revision "
-                        "folder with its config.json and weights.")
+    neox = gpt_neox_folder(folder) if not (folder / "config.json").is_file() else None
+    if neox is None and not (folder / "config.json").is_file():
+        raise UserError(f"{folder} holds neither a model in the Hub's layout (config.json) nor a GPT-NeoX checkpoint "
+                        "(mp_rank_00_model_states.pt): give a revision folder with its weights.")
     options_path = folder / OPTIONS_FILE
     options = json.loads(options_path.read_text()) if options_path.is_file() else None
     released = released_model(location) if options is None else None
@@ -105,7 +128,7 @@ def resolve_revision(text: str, endpoint: str | None = None, local_files_only: b
         released = next((match for part in reversed(Path(location).resolve().parts)
                          if (match := released_model(f"EleutherAI/{part}"))), None)
     return RevisionSource(
-        name=text, step=step, folder=folder, options=options,
+        name=text, step=step, folder=folder, options=options, gpt_neox=neox,
         released=released.group(0) if released is not None else None,
         deduplicated=bool(released.group("deduped")) if released is not None else None,
     )
@@ -134,6 +157,9 @@ def revision_ready(text: str) -> bool:
         shards = set(json.loads(index.read_text())["weight_map"].values())
         if not all((folder / shard).is_file() for shard in shards):
             return False
+    if not (folder / "config.json").is_file():  # a GPT-NeoX checkpoint: every rank's optimizer file is there
+        neox = gpt_neox_folder(folder)
+        return neox is not None and optimizer_files_whole(neox)
     return any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))
 
 
@@ -143,7 +169,8 @@ def download_revision(repo_id: str, step: int, endpoint: str | None = None, loca
 
     with hub_errors(repo_id, step):
         return Path(snapshot_download(repo_id, revision=f"step{step}", allow_patterns=WEIGHT_PATTERNS,
-                                      endpoint=endpoint, local_files_only=local_files_only))
+                                      ignore_patterns=[f"{TRAINING_STATE_FOLDER}/*"], endpoint=endpoint,
+                                      local_files_only=local_files_only))
 
 
 @contextlib.contextmanager
@@ -246,7 +273,8 @@ def check_continuation(source: RevisionSource, run: ContinuingRun) -> None:
     """Refuse, in one sentence, a revision this run cannot go on from: another size or vocabulary, data that is not
     in the revision's order (the released Pile, deduplicated or not, at Pythia's batch; our run's first batch and
     schedule), or a step at or past the run's stop."""
-    config = json.loads((source.folder / "config.json").read_text())
+    config = (gpt_neox_shape(source.gpt_neox) if source.gpt_neox is not None
+              else json.loads((source.folder / "config.json").read_text()))
     shape = config_shape(config)
     if shape != run.shape:
         try:
@@ -270,10 +298,19 @@ def check_continuation(source: RevisionSource, run: ContinuingRun) -> None:
         _check_same_order(source, run)
     elif source.released is not None:
         _check_released_order(source, run)
+    elif source.gpt_neox is not None and (kept := gpt_neox_schedule(source.gpt_neox,
+                                                                     data_parallel_size(source.gpt_neox))):
+        ours = {"global_batch_size": run.global_batch_size, "seq_len": run.seq_len, "max_steps": run.max_steps}
+        differences = [f"{key} {kept[key]} there, {ours[key]} here" for key in ours if kept[key] != ours[key]]
+        if differences:
+            raise UserError(f"{source.name} was trained at another batch or schedule than this run's "
+                            f"({'; '.join(differences)}): give the --global-batch-size, --seq-len and --max-steps of "
+                            "the run that kept it.")
     else:
-        raise UserError(f"{source.name} records neither its run's data order (cram_options.json) nor a released "
-                        "model's name: give a run's revision, a Hub name such as EleutherAI/pythia-160m@step1000, or "
-                        "a local copy kept under the released model's name (pythia-160m/step1000).")
+        raise UserError(f"{source.name} records neither its run's data order (cram_options.json, or a GPT-NeoX "
+                        "checkpoint's configs/) nor a released model's name: give a run's revision, a Hub name such "
+                        "as EleutherAI/pythia-160m@step1000, or a local copy kept under the released model's name "
+                        "(pythia-160m/step1000).")
 
 
 class _Shape:
@@ -372,3 +409,68 @@ def describe_continuation(source: RevisionSource, record: dict, sequences: int) 
             f"{record['weights_dtype']}), the learning-rate schedule at step {source.step} and the data from "
             f"sequence {sequences:,}, step {source.step + 1}'s batch; Adam's moments start at zero (a revision keeps "
             "the model alone), its bias correction counting from here")
+
+
+def write_gpt_neox_continuation(
+    source: RevisionSource, model: torch.nn.Module, optimizer: torch.optim.Optimizer, layout: Layout,
+    checkpoints: Path, global_batch: int, seq_len: int,
+) -> Path:
+    """GPT-NeoX's training state at the revision's step, written as a training state of this run in
+    `checkpoints/step-NNNNNNNN` (under a temporary name until whole), which the run resumes from as from its own:
+    DeepSpeed's universal form under a DeepSpeed launch (any ZeRO stage, any number of processes), Accelerate's files
+    of one process otherwise. Its record keeps the step, the fp16-skipped steps (the iteration less the schedule's
+    steps), the data position of step N + 1 and the loss scale."""
+    state = read_gpt_neox_checkpoint(source.gpt_neox, _layers(model))
+    target = checkpoints / state_folder_name(state.iteration)
+    if (target / STATE_FILE).is_file():
+        return target
+    if state.iteration != source.step:
+        raise UserError(f"{source.gpt_neox} holds GPT-NeoX's iteration {state.iteration}, not step {source.step}: "
+                        "give the revision of its own step.")
+    staging = target.with_name(target.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    if layout.state_format == "deepspeed":
+        write_universal_state(state, model, optimizer, staging, state.iteration, state.data_parallel)
+        written = Layout(state.data_parallel, "deepspeed", 1)
+    elif layout.state_format == "accelerate":
+        write_accelerate_state(state, model, optimizer, staging)
+        written = Layout(1, "accelerate")
+    else:
+        raise UserError(f"a GPT-NeoX checkpoint continues under DeepSpeed or without sharding, not under "
+                        f"{layout.state_format}: launch with a DeepSpeed config, or a plain one.")
+    skipped = state.iteration - state.schedule_steps if state.schedule_steps is not None else 0
+    train_state = TrainState(optimizer_steps=state.iteration, skipped_steps=skipped,
+                             sequences=state.iteration * global_batch, tokens=state.iteration * global_batch * seq_len,
+                             continued_from=gpt_neox_record(source, state))
+    record = {"state": dataclasses.asdict(train_state), "run": {}, "layout": layout_record(written),
+              "loss_scale": state.loss_scale}
+    (staging / STATE_FILE).write_text(json.dumps(record, indent=1, default=str) + "\n")
+    staging.rename(target)
+    return target
+
+
+def _layers(model: torch.nn.Module) -> int:
+    config = getattr(model, "config", None)
+    return config.num_hidden_layers
+
+
+def gpt_neox_record(source: RevisionSource, state: GPTNeoXState) -> dict:
+    """What the run's summary and log say of a continuation from GPT-NeoX's own training state."""
+    scale = state.loss_scale or {}
+    return {
+        "revision": source.name, "step": state.iteration, "weights_dtype": "float32",
+        "optimizer": (f"GPT-NeoX's: its fp32 master weights, Adam's moments and step count ({state.adam_step}) from "
+                      f"the {state.data_parallel} ranks' ZeRO-1 files" if state.moments else
+                      "zero moments: the GPT-NeoX checkpoint keeps no optimizer files"),
+        "schedule_steps": state.schedule_steps,
+        "loss_scale": scale.get("cur_scale") if scale.get("dynamic") else None,
+    }
+
+
+def describe_gpt_neox_continuation(record: dict, sequences: int) -> str:
+    """The log line of a run continued from GPT-NeoX's own training state."""
+    scale = f", fp16 loss scale {record['loss_scale']:g}" if record.get("loss_scale") else ""
+    return (f"continuing GPT-NeoX's training state from step {record['step']} ({record['revision']}): "
+            f"{record['optimizer']}{scale}; the learning-rate schedule at its step {record['schedule_steps']} and the "
+            f"data from sequence {sequences:,}")

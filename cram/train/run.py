@@ -39,6 +39,7 @@ from cram.train.continuation import (
 )
 from cram.train.curves import CheckpointCurves, write_training_curves
 from cram.train.layout import (
+    DEEPSPEED_TAG,
     UNIVERSAL_FOLDER,
     BatchSplit,
     Layout,
@@ -53,6 +54,7 @@ from cram.train.layout import (
     use_universal_checkpoint,
 )
 from cram.train.loop import train
+from cram.train.loss_scaling import restore_loss_scale
 from cram.train.optim import optimizer_state_bytes
 from cram.train.precision import Precision
 from cram.train.preemption import Preemption
@@ -147,6 +149,13 @@ class RecipeRun:
             found = self._fetch_training_state(continue_from, checkpoints)
         return found
 
+    def resume_from_state(self, checkpoint: Path) -> None:
+        """Resume from `checkpoint`, a training state written for this run (`cram.train.continuation`'s of a GPT-NeoX
+        checkpoint), as if --resume had named it."""
+        self.resume_from = checkpoint
+        self.saved = read_record(checkpoint)
+        self.saved_layout = saved_layout(self.saved)
+
     def _fetch_training_state(self, revision: str, checkpoints: Path) -> Path:
         return local_main_first(self.accelerator, lambda: fetch_training_state(revision, checkpoints),
                                 ready=lambda: training_state_ready(revision, checkpoints))
@@ -185,7 +194,9 @@ class RecipeRun:
         if self.resume_from is not None:
             check_same_run(self.saved["run"], facts, self.resume_from)
             check_state_format(self.saved_layout, self.layout, self.resume_from)
-            if needs_universal(self.saved_layout, self.layout):
+            # A state written in the universal form alone (a converted GPT-NeoX checkpoint) loads only from it.
+            if needs_universal(self.saved_layout, self.layout) or (
+                    self.layout.state_format == "deepspeed" and not (self.resume_from / DEEPSPEED_TAG).is_dir()):
                 check_universal_supported(self.saved_layout, self.layout)
                 checkpoint = self.resume_from
                 states = local_main_first(self.accelerator, lambda: universal_checkpoint(checkpoint),
@@ -207,6 +218,8 @@ class RecipeRun:
                 for group, own in zip(optimizer.param_groups, hyperparameters, strict=True):
                     group.update(own)
                 unshare_step_counts(optimizer)
+            if self.saved.get("loss_scale"):  # a converted GPT-NeoX state's fp16 loss scaler
+                restore_loss_scale(self.accelerator, optimizer, self.saved["loss_scale"])
             if self.is_main_process:
                 moved = "" if self.saved_layout == self.layout else \
                     f", saved on {self.saved_layout.describe()}, resumed on {self.layout.describe()}"
