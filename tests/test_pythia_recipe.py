@@ -985,3 +985,29 @@ def test_a_gpt_neox_checkpoint_the_run_cannot_go_on_from_is_refused_in_one_sente
     assert message in text and text.count(". ") == 0, text
     assert not (tmp_path / "run" / "final").exists()
     assert not any((tmp_path / "run" / "checkpoints").glob("step-*")) if (tmp_path / "run").exists() else True
+
+
+def test_a_released_model_is_continued_from_its_published_gpt_neox_state_where_one_exists(
+    uninterrupted_eight_steps, gpt_neox_checkpoint, hub_of_revisions
+):
+    """EleutherAI/pythia-14m@step4 with EleutherAI/neox-ckpt-pythia-14m@step4 published (files as GPT-NeoX saves them,
+    under global_step4/ with `latest`): its GPT-NeoX state; the deduplicated model, with none published: its weights."""
+    from hub_standin import StoredRepo
+
+    from cram.train.continuation import resolve_revision
+
+    step4 = uninterrupted_eight_steps / "revisions" / "step4"
+    for released in ("EleutherAI/pythia-14m", "EleutherAI/pythia-14m-deduped"):
+        hub_of_revisions.publish(released, step4, "step4", leave_out=("cram_options.json",))
+    files = {f"global_step4/{path.relative_to(gpt_neox_checkpoint).as_posix()}": path.read_bytes()
+             for path in gpt_neox_checkpoint.rglob("*") if path.is_file()}
+    hub_of_revisions.repos["EleutherAI/neox-ckpt-pythia-14m"] = StoredRepo(
+        private=False, branches={"main": {}, "step4": {**files, "latest": b"global_step4"}},
+        commits={"main": [], "step4": ["step4"]})
+    published = resolve_revision("EleutherAI/pythia-14m@step4")
+    assert published.gpt_neox is not None and published.gpt_neox.name == "global_step4"
+    assert (published.released, published.deduplicated, published.step) == ("EleutherAI/pythia-14m", False, 4)
+    assert (published.gpt_neox / "zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()
+    weights_only = resolve_revision("EleutherAI/pythia-14m-deduped@step4")
+    assert weights_only.gpt_neox is None and (weights_only.folder / "model.safetensors").is_file()
+    assert weights_only.deduplicated is True

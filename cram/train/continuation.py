@@ -29,6 +29,7 @@ from cram.errors import UserError
 from cram.models.pythia_model import PYTHIA_SIZES, load_pythia_weights, pythia_size_of
 from cram.train.checkpoint import OPTIONS_FILE, STATE_FILE, state_folder_name
 from cram.train.gpt_neox_checkpoint import (
+    MODEL_STATES,
     GPTNeoXState,
     data_parallel_size,
     gpt_neox_folder,
@@ -115,7 +116,9 @@ def resolve_revision(text: str, endpoint: str | None = None, local_files_only: b
                      if candidate.is_dir() and (found := gpt_neox_folder(candidate))), None)
         folder = neox or local_revision(local, step)
     else:
-        folder = download_revision(location, step, endpoint, local_files_only)
+        # A released model whose GPT-NeoX training state EleutherAI published at this step: continued from it.
+        published = gpt_neox_published(location, step, endpoint, local_files_only)
+        folder = download_revision(published or location, step, endpoint, local_files_only)
     neox = gpt_neox_folder(folder) if not (folder / "config.json").is_file() else None
     if neox is None and not (folder / "config.json").is_file():
         raise UserError(f"{folder} holds neither a model in the Hub's layout (config.json) nor a GPT-NeoX checkpoint "
@@ -163,12 +166,38 @@ def revision_ready(text: str) -> bool:
     return any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))
 
 
-def download_revision(repo_id: str, step: int, endpoint: str | None = None, local_files_only: bool = False) -> Path:
-    """The branch stepN of the Hub repository `repo_id`, downloaded into huggingface_hub's cache (once)."""
+def gpt_neox_published(repo_id: str, step: int, endpoint: str | None = None, local_files_only: bool = False
+                       ) -> str | None:
+    """EleutherAI's GPT-NeoX training state of the released model `repo_id` at stepN (the repository
+    EleutherAI/neox-ckpt-NAME, as PolyPythias publish theirs with every branch), where it exists; else None."""
+    released = released_model(repo_id)
+    if released is None or released.group("neox"):
+        return None
+    candidate = f"EleutherAI/neox-ckpt-{repo_id.removeprefix('EleutherAI/')}"
+    try:
+        download_revision(candidate, step, endpoint, local_files_only=True, patterns=[MODEL_STATES])
+        return candidate
+    except UserError:
+        pass
+    if local_files_only:
+        return None
+    from huggingface_hub import HfApi
+
+    try:
+        files = HfApi(endpoint=endpoint).list_repo_files(candidate, revision=f"step{step}")
+    except Exception:  # noqa: BLE001 - not published (no such repository or branch), or out of reach: no state
+        return None
+    return candidate if any(name.endswith(MODEL_STATES) for name in files) else None
+
+
+def download_revision(repo_id: str, step: int, endpoint: str | None = None, local_files_only: bool = False,
+                      patterns: list[str] | None = None) -> Path:
+    """The branch stepN of the Hub repository `repo_id` (its files of `patterns`: by default what continuing
+    reads), downloaded into huggingface_hub's cache (once)."""
     from huggingface_hub import snapshot_download
 
     with hub_errors(repo_id, step):
-        return Path(snapshot_download(repo_id, revision=f"step{step}", allow_patterns=WEIGHT_PATTERNS,
+        return Path(snapshot_download(repo_id, revision=f"step{step}", allow_patterns=patterns or WEIGHT_PATTERNS,
                                       ignore_patterns=[f"{TRAINING_STATE_FOLDER}/*"], endpoint=endpoint,
                                       local_files_only=local_files_only))
 
