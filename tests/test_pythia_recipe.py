@@ -869,10 +869,12 @@ def assert_continued_exactly(continued: Path, uninterrupted: Path, tolerance: fl
 
 
 def test_gpt_neox_s_own_training_state_continues_with_the_uninterrupted_run_s_losses(
-    recipe_module, monkeypatch, capsys, tmp_path, megatron_data, uninterrupted_eight_steps, gpt_neox_checkpoint
+    recipe_module, monkeypatch, capsys, tmp_path, megatron_data, heldout_file, uninterrupted_eight_steps,
+    gpt_neox_checkpoint
 ):
     """Converted on one process without DeepSpeed: Accelerate's files of GPT-NeoX's fp32 master weights, Adam's
-    moments and step, resumed as the run's own step-4 state."""
+    moments and step, resumed as the run's own step-4 state. The replication check judges the continued run at the
+    steps it trained, after 4, though it keeps the converted state at 4."""
     prefix, tokenizer = megatron_data
     capsys.readouterr()
     output_dir = tmp_path / "continued"
@@ -885,6 +887,12 @@ def test_gpt_neox_s_own_training_state_continues_with_the_uninterrupted_run_s_lo
     assert_continued_exactly(output_dir, uninterrupted_eight_steps, CONVERTED_FP32_LOSS)
     summary = json.loads((output_dir / "summary.json").read_text())
     assert summary["continued_from"]["optimizer"].startswith("GPT-NeoX's: its fp32 master weights")
+    assert (output_dir / "checkpoints" / "step-00000004" / "model.safetensors").is_file()
+    status, result = replication(output_dir, "--reference", uninterrupted_eight_steps, "--data", prefix,
+                                 "--heldout", heldout_file, "--output", tmp_path / "replication")
+    assert status == 0 and [row["step"] for row in result["rows"]] == [8]
+    assert result["continued"] == (f"continued from {gpt_neox_checkpoint} at step 4: judged at the steps it trained, "
+                                   "after 4")
 
 
 def test_gpt_neox_s_state_continues_under_another_zero_stage_and_process_count(

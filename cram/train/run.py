@@ -241,6 +241,8 @@ class RecipeRun:
                 "device": device_name(accelerator.device),
                 "parameters": parameters,
                 "parameters_held_by_rank0": parameters_held,
+                # Where a continued run went on from (its revision and step): checks judge it after that step.
+                "continued_from": state.continued_from,
             },
         }
         # A resumed run keeps logging to the same wandb run (the id is saved in every checkpoint).
