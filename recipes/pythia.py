@@ -17,6 +17,9 @@ on a document-level Megatron file (the *_idxmaps release) it trains on the sampl
 (built once and cached beside the file).
 --stop-at-step N trains Pythia's first N steps: the schedule and the index stay those of the full run, so step k here
 is step k there; --max-steps M is another, shorter recipe (warm-up, cosine and index scaled to M steps).
+--continue-from NAME@stepN goes on from a kept model (a released revision, a run's, a GPT-NeoX checkpoint) at step N's
+schedule and step N + 1's data, with GPT-NeoX's optimizer state where EleutherAI published it and zero Adam moments
+where not.
 """
 
 from __future__ import annotations

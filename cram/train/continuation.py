@@ -232,8 +232,8 @@ def training_state_in(text: str) -> bool:
     location, step = parse_revision(text)
     local = Path(location)
     if step is None or local.is_dir():
-        folder = local if step is None else local_revision(local, step)
-        return (folder / TRAINING_STATE_FOLDER / STATE_FILE).is_file()
+        folders = [local] if step is None else [local / f"step{step}", local / REVISIONS_FOLDER / f"step{step}"]
+        return any((folder / TRAINING_STATE_FOLDER / STATE_FILE).is_file() for folder in folders)
     from huggingface_hub import HfApi
 
     with hub_errors(location, step):
