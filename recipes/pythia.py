@@ -37,7 +37,7 @@ from accelerate.utils import set_seed
 
 from cram.cli import OptionParser, option, parse_strictly, summary
 from cram.data.causal import causal_data_ready, causal_lm_batch, first_batch_fingerprint, load_causal_data
-from cram.data.megatron import recorded_deduplication
+from cram.data.megatron import recorded_data_seed, recorded_deduplication
 from cram.data.sampling import stream_loader
 from cram.errors import UserError, run_cli
 from cram.models.pythia_model import (
@@ -255,7 +255,8 @@ def main() -> None:
             vocab_size=config.vocab_size, tokenizer_vocabulary=data.tokenizer.get_vocab(), seq_len=seq_len,
             global_batch_size=global_batch, max_steps=max_steps, stop_at=stop_at,
             first_batch=first_batch_fingerprint(data.sequences, global_batch),
-            deduplicated=recorded_deduplication(training.data), pythia_steps=recipe.train_steps,
+            deduplicated=recorded_deduplication(training.data), data_seed=recorded_data_seed(training.data),
+            pythia_steps=recipe.train_steps,
             pythia_batch=recipe.global_batch_size, pythia_seq_len=recipe.seq_len))
     plugin = accelerator.state.deepspeed_plugin  # zero.Init only where the launch config asks for it
     model = build_pythia_model(training.size, config, zero_init=plugin is not None and plugin.is_zero3_init_enabled())

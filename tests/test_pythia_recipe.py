@@ -803,7 +803,12 @@ def test_a_local_revision_is_found_by_folder_and_step_or_as_its_own_folder(unint
                                    "deduplication"),
      ("released, deduplicated data", "EleutherAI/pythia-14m-deduped trained on the deduplicated Pile, and --data is "
                                      "recorded as not deduplicated"),
-     ("at the stop", "is at step 4, and this run stops at step 4: give a --stop-at-step after 4")],
+     ("at the stop", "is at step 4, and this run stops at step 4: give a --stop-at-step after 4"),
+     ("a PolyPythias seed, Pythia's order", "EleutherAI/pythia-14m-seed3 trained on PolyPythias' data order of seed 3, "
+                                            "and --data records no PolyPythias data seed"),
+     # Its own order recorded, the seed passes the order's check and meets the next: Pythia's batch.
+     ("a PolyPythias seed, its order", "EleutherAI/pythia-14m-seed3 trained at 1024 sequences of 2048 tokens over "
+                                       "143000 steps, and this run at 4 of 32")],
 )
 def test_a_revision_the_run_cannot_go_on_from_is_refused_in_one_sentence(
     recipe_module, monkeypatch, tmp_path, megatron_data, uninterrupted_eight_steps, hub_of_revisions, case, message
@@ -814,13 +819,14 @@ def test_a_revision_the_run_cannot_go_on_from_is_refused_in_one_sentence(
     step4 = uninterrupted_eight_steps / "revisions" / "step4"
     hub_of_revisions.publish("lab/pythia-tiny", step4, "step4")
     # Released models keep no record of ours: their names say what they trained on.
-    for released in ("EleutherAI/pythia-14m", "EleutherAI/pythia-14m-deduped"):
+    for released in ("EleutherAI/pythia-14m", "EleutherAI/pythia-14m-deduped", "EleutherAI/pythia-14m-seed3"):
         hub_of_revisions.publish(released, step4, "step4", leave_out=("cram_options.json",))
-    recorded = tmp_path / "recorded"  # the same data, recorded as not deduplicated
-    recorded.mkdir()
-    for suffix in (".bin", ".idx"):
-        (recorded / f"document{suffix}").symlink_to(prefix.with_suffix(suffix))
-    record_deduplication(recorded / "document", False)
+    recorded, seeded = tmp_path / "recorded", tmp_path / "seeded"  # the same data, recorded as not deduplicated
+    for folder, seed in ((recorded, None), (seeded, 3)):  # and as PolyPythias' pre-shuffled data of seed 3
+        folder.mkdir()
+        for suffix in (".bin", ".idx"):
+            (folder / f"document{suffix}").symlink_to(prefix.with_suffix(suffix))
+        record_deduplication(folder / "document", False, seed)
     base = [*CONTINUED, "--data", prefix, "--tokenizer", tokenizer, "--output-dir", tmp_path / "run",
             "--continue-from", "lab/pythia-tiny@step4"]
     extra = {
@@ -834,6 +840,10 @@ def test_a_revision_the_run_cannot_go_on_from_is_refused_in_one_sentence(
         "released, deduplicated data": ["--continue-from", "EleutherAI/pythia-14m-deduped@step4", "--data",
                                         recorded / "document"],
         "at the stop": ["--stop-at-step", "4"],
+        "a PolyPythias seed, Pythia's order": ["--continue-from", "EleutherAI/pythia-14m-seed3@step4", "--data",
+                                               recorded / "document"],
+        "a PolyPythias seed, its order": ["--continue-from", "EleutherAI/pythia-14m-seed3@step4", "--data",
+                                          seeded / "document"],
     }[case]
     text = refusal(recipe_module, monkeypatch, [*base, *extra])
     assert message in text and text.count(". ") == 0, text

@@ -288,6 +288,7 @@ class ContinuingRun:
     stop_at: int
     first_batch: str  # cram.data.causal.first_batch_fingerprint of its data
     deduplicated: bool | None  # as its data's preparation recorded it
+    data_seed: int | None  # PolyPythias' data seed whose order its data was recorded to hold (None: Pythia's)
     pythia_steps: int  # the released schedule's length
     pythia_batch: int
     pythia_seq_len: int
@@ -373,11 +374,15 @@ def _check_same_order(source: RevisionSource, run: ContinuingRun) -> None:
 
 
 def _check_released_order(source: RevisionSource, run: ContinuingRun) -> None:
-    variant = released_model(source.released).group("variant")
-    if variant in ("seed", "data-seed"):
-        raise UserError(f"{source.released} trained on a data order of its own (PolyPythias' pile-preshuffled-seeds), "
-                        "which this run's data does not record: continue a model of the original order (pythia-SIZE, "
-                        "pythia-SIZE-deduped or pythia-SIZE-weight-seedN).")
+    released = released_model(source.released)
+    # PolyPythias' seedN and data-seedN read the pre-shuffled order of data seed N; weight-seedN Pythia's own.
+    seed = int(released.group("seed")) if released.group("variant") in ("seed", "data-seed") else None
+    if seed != run.data_seed:
+        theirs = f"PolyPythias' data order of seed {seed}" if seed is not None else "Pythia's own data order"
+        ours = f"that of seed {run.data_seed}" if run.data_seed is not None else "no PolyPythias data seed"
+        raise UserError(f"{source.released} trained on {theirs}, and --data records {ours}: give the data of its "
+                        "order, recorded with python -m cram.data.megatron --output PREFIX --deduplicated no "
+                        "--data-seed N for PolyPythias' pre-shuffled seeds.")
     pile = "the deduplicated Pile" if source.deduplicated else "the standard Pile"
     if run.deduplicated is None:
         raise UserError(f"{source.released} trained on {pile}, and --data records no deduplication: record it with "
