@@ -1029,3 +1029,20 @@ def test_a_released_model_is_continued_from_its_published_gpt_neox_state_where_o
     weights_only = resolve_revision("EleutherAI/pythia-14m-deduped@step4")
     assert weights_only.gpt_neox is None and (weights_only.folder / "model.safetensors").is_file()
     assert weights_only.deduplicated is True
+
+
+def test_a_gpt_neox_checkpoint_saved_without_its_optimizer_continues_from_its_layer_files_with_zero_moments(
+    recipe_module, monkeypatch, capsys, tmp_path, megatron_data, uninterrupted_eight_steps, gpt_neox_checkpoint
+):
+    prefix, tokenizer = megatron_data
+    folder = Path(shutil.copytree(gpt_neox_checkpoint, tmp_path / "global_step4"))
+    for optimizer_file in folder.glob("zero_pp_rank_*_optim_states.pt"):
+        optimizer_file.unlink()
+    capsys.readouterr()
+    output_dir = tmp_path / "continued"
+    run_in_process(recipe_module, monkeypatch, [*CONTINUED, "--data", prefix, "--tokenizer", tokenizer, "--seed", "7",
+                                                "--output-dir", output_dir, "--continue-from", folder])
+    assert "zero moments: the GPT-NeoX checkpoint keeps no optimizer files" in capsys.readouterr().out
+    continued, uninterrupted = history(output_dir), history(uninterrupted_eight_steps)
+    assert continued[0]["loss"] == pytest.approx(uninterrupted[4]["loss"], abs=CONVERTED_FP32_LOSS)  # its weights
+    assert continued[1]["loss"] != pytest.approx(uninterrupted[5]["loss"], abs=CONVERTED_FP32_LOSS)  # not its moments

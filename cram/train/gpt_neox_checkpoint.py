@@ -106,8 +106,9 @@ def read_gpt_neox_checkpoint(folder: Path, layers: int) -> GPTNeoXState:
     layer_weights = read_layer_files(folder, layers)
     if not optimizer_files:
         # A checkpoint saved without its optimizer: the module's weights, and Adam from zero.
-        return GPTNeoXState(folder, iteration, schedule_steps, 0,
-                            {name: tensor.float() for name, tensor in layer_weights.items()})
+        master = {name: tensor.float() for name, tensor in layer_weights.items()}
+        return GPTNeoXState(folder, iteration, schedule_steps, 0, master, {},
+                            data_parallel=int(model_states.get("dp_world_size") or 1))
     shapes = model_states.get("param_shapes")
     states = [_load(path)["optimizer_state_dict"] for path in optimizer_files]
     if shapes is None or "single_partition_of_fp32_groups" not in states[0]:
@@ -201,6 +202,11 @@ def _loss_scale(scaler: object, dynamic: bool | None) -> dict | None:
     return kept
 
 
+def moment(state: GPTNeoXState, key: str, name: str) -> torch.Tensor:
+    """Adam's `key` moment of the parameter saved as `name`: zeros where the checkpoint kept no optimizer."""
+    return state.moments[key][name] if state.moments else torch.zeros_like(state.master[name])
+
+
 def saved_name(parameter_name: str) -> str:
     """A GPTNeoXForCausalLM parameter's name as saved files (and `GPTNeoXState`) spell it."""
     return "embed_out.weight" if parameter_name == "lm_head.weight" else parameter_name
@@ -226,7 +232,7 @@ def write_accelerate_state(state: GPTNeoXState, model: torch.nn.Module, optimize
     for group in groups:
         for name in group:
             entries[index] = {"step": torch.tensor(float(state.adam_step)),
-                              **{key: state.moments[key][saved_name(name)].clone() for key in MOMENTS}}
+                              **{key: moment(state, key, saved_name(name)).clone() for key in MOMENTS}}
             index += 1
     torch.save({"state": entries, "param_groups": saved["param_groups"]}, folder / "optimizer.bin")
 
@@ -252,7 +258,7 @@ def write_universal_state(state: GPTNeoXState, model: torch.nn.Module, optimizer
             parameter.mkdir(parents=True)
             torch.save({"cat_dim": 0, PARAM: state.master[saved_name(name)]}, parameter / "fp32.pt")
             for key in MOMENTS:
-                torch.save({"cat_dim": 0, PARAM: state.moments[key][saved_name(name)]}, parameter / f"{key}.pt")
+                torch.save({"cat_dim": 0, PARAM: moment(state, key, saved_name(name))}, parameter / f"{key}.pt")
             torch.save(step, parameter / "step.pt")
     hyperparameters = [{key: value for key, value in group.items() if key != "params"} | {"params": [index]}
                        for index, group in enumerate(optimizer.param_groups)]
