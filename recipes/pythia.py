@@ -17,6 +17,9 @@ on a document-level Megatron file (the *_idxmaps release) it trains on the sampl
 (built once and cached beside the file).
 --stop-at-step N trains Pythia's first N steps: the schedule and the index stay those of the full run, so step k here
 is step k there; --max-steps M is another, shorter recipe (warm-up, cosine and index scaled to M steps).
+--continue-from NAME@stepN goes on from a kept model (a released revision, a run's, a GPT-NeoX checkpoint) at step N's
+schedule and step N + 1's data, with GPT-NeoX's optimizer state where EleutherAI published it and zero Adam moments
+where not.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from accelerate.utils import set_seed
 
 from cram.cli import OptionParser, option, parse_strictly, summary
 from cram.data.causal import causal_data_ready, causal_lm_batch, first_batch_fingerprint, load_causal_data
-from cram.data.megatron import recorded_deduplication
+from cram.data.megatron import recorded_data_seed, recorded_deduplication
 from cram.data.sampling import stream_loader
 from cram.errors import UserError, run_cli
 from cram.models.pythia_model import (
@@ -57,7 +60,18 @@ from cram.models.pythia_recipe import (
 from cram.train.accelerator import launch_device_type, local_main_first
 from cram.train.activation_checkpointing import enable_activation_checkpointing
 from cram.train.budget import StepClock
-from cram.train.checkpoint import read_checkpoint
+from cram.train.checkpoint import STATE_FILE, read_checkpoint, state_folder_name
+from cram.train.continuation import (
+    ContinuingRun,
+    check_continuation,
+    continued_state_record,
+    describe_continuation,
+    describe_gpt_neox_continuation,
+    load_revision_weights,
+    resolve_revision,
+    revision_ready,
+    write_gpt_neox_continuation,
+)
 from cram.train.data_agreement import check_same_data
 from cram.train.deepspeed_setup import configure_deepspeed
 from cram.train.loss_scaling import fp16_loss_scaling
@@ -66,6 +80,7 @@ from cram.train.precision import Precision, enable_tf32, gpu_has_bf16_units
 from cram.train.revisions import parse_revision_steps
 from cram.train.run import RecipeRun
 from cram.train.run_options import RunOptions, check_run_options
+from cram.train.state import TrainState
 from cram.train.state_memory import check_model_fits
 from cram.train.throughput import gpt_neox_flops_per_token
 
@@ -102,6 +117,10 @@ class TrainingOptions:
         None, "peak learning rate; unset means the size's config's (pythia-1b: 2.5e-4 per pythia-1b.yml, where the "
               "Pythia README's table says 3e-4)")
     seed: int = option(1234, "random seed (of the initial weights; the data order is the data's)")
+    continue_from: str | None = option(
+        None, "go on from a model kept at step N, at step N's schedule and step N + 1's data: a Hub name with its "
+              "branch (EleutherAI/pythia-160m@step50000), a folder of revisions with the step (runs/pythia@step4), "
+              "or a stepN folder; Adam's moments start at zero")
 
 
 @dataclass
@@ -115,6 +134,10 @@ class ImplementationOptions(RunOptions):
                     "in fp16), or the nearest the device can do, said in the log")
     push_checkpoints: bool = option(
         False, "also push each revision (--revision-steps) to the Hub, as the revision stepN")
+    push_training_states: bool = option(
+        False, "with --push-checkpoints, also push the training state of each revision's step (saved there for it: "
+               "at least 12 bytes per weight, said before step 0) beside its weights, as training_state/, which "
+               "--continue-from NAME@stepN and --resume NAME@stepN resume from on another machine")
     revision_steps: str = option(
         "pythia", "the steps whose model is kept in OUTPUT_DIR/revisions/stepN for the replication check: pythia "
                   "(Pythia's checkpoint steps 0, 1, 2, 4 … 512, then every 1000, within the run), none, or steps and "
@@ -141,6 +164,9 @@ def parse_options() -> tuple[TrainingOptions, ImplementationOptions]:
         raise UserError(f"--stop-at-step {training.stop_at_step} is past the schedule's last step {schedule}: give a "
                         f"step up to {schedule}{' or a longer --max-steps' if training.max_steps else ''}.")
     check_run_options(implementation)
+    if implementation.push_training_states and not implementation.push_checkpoints:
+        raise UserError("--push-training-states pushes each state beside its revision: add --push-checkpoints "
+                        "(and --push-to-hub ORG/NAME).")
     return training, implementation
 
 
@@ -186,7 +212,7 @@ def main() -> None:
     peak_lr = training.lr or recipe.peak_lr
     config = pythia_config(training.size, max_position_embeddings=max(seq_len, recipe.seq_len))
     config.vocab_size = training.vocab_size or config.vocab_size
-    run = RecipeRun("pythia", implementation, precision=precision)
+    run = RecipeRun("pythia", implementation, precision=precision, continue_from=training.continue_from)
     accelerator = run.accelerator
     # The global batch split over this launch's processes (again, where a saved run resumes on another count).
     split = run.split(global_batch, training.micro_batch_size)
@@ -221,14 +247,50 @@ def main() -> None:
     if run.resume_from is not None and (resumed_at := read_checkpoint(run.resume_from)[0].optimizer_steps) > stop_at:
         raise UserError(f"{run.resume_from} is at step {resumed_at}, past --stop-at-step {stop_at}: give a later step "
                         "to go on to, or start a new run in another --output-dir.")
+    source = None  # the kept model a fresh run goes on from (a resumed one has its state)
+    if training.continue_from is not None and run.resume_from is None:
+        source = local_main_first(accelerator, lambda: resolve_revision(training.continue_from),
+                                  ready=lambda: revision_ready(training.continue_from))
+        check_continuation(source, ContinuingRun(
+            size=training.size, shape=(config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+                                       config.intermediate_size),
+            vocab_size=config.vocab_size, tokenizer_vocabulary=data.tokenizer.get_vocab(), seq_len=seq_len,
+            global_batch_size=global_batch, max_steps=max_steps, stop_at=stop_at,
+            first_batch=first_batch_fingerprint(data.sequences, global_batch),
+            deduplicated=recorded_deduplication(training.data), data_seed=recorded_data_seed(training.data),
+            pythia_steps=recipe.train_steps,
+            pythia_batch=recipe.global_batch_size, pythia_seq_len=recipe.seq_len))
     plugin = accelerator.state.deepspeed_plugin  # zero.Init only where the launch config asks for it
     model = build_pythia_model(training.size, config, zero_init=plugin is not None and plugin.is_zero3_init_enabled())
     if implementation.activation_checkpointing:
         enable_activation_checkpointing(model)
     optimizer = build_adamw(model, peak_lr, recipe.betas, recipe.eps, recipe.weight_decay)
+    continued = None
+    if source is not None and source.gpt_neox is not None:
+        # GPT-NeoX's own training state, written as this run's state at its step, which the run resumes from.
+        checkpoints = run.output_dir / "checkpoints"
+        run.resume_from_state(local_main_first(
+            accelerator, lambda: write_gpt_neox_continuation(source, model, optimizer, run.layout, checkpoints,
+                                                             global_batch, seq_len),
+            ready=lambda: (checkpoints / state_folder_name(source.step) / STATE_FILE).is_file()))
+        if run.is_main_process:
+            continued_from = read_checkpoint(run.resume_from)[0].continued_from
+            print(describe_gpt_neox_continuation(continued_from, source.step * global_batch))
+    elif source is not None:
+        record = continued_state_record(source, load_revision_weights(model, source))
+        # Step N's update done: the schedule stands at N less the updates fp16 overflows skipped (as our run
+        # recorded them; a released revision records none), and the data at step N + 1's batch.
+        skipped = source.progress.get("skipped_steps", 0)
+        continued = TrainState(optimizer_steps=source.step, skipped_steps=skipped,
+                               sequences=source.step * global_batch, tokens=source.step * global_batch * seq_len,
+                               continued_from=record)
+        if run.is_main_process:
+            print(describe_continuation(source, record, continued.sequences))
     session = run.start(model, optimizer, training, facts={  # what a resumed run must share with the saved one
-        # --stop-at-step may differ: a run stopped early goes on to a later step of the same schedule.
-        "training": {key: value for key, value in dataclasses.asdict(training).items() if key != "stop_at_step"},
+        # --stop-at-step may differ: a run stopped early goes on to a later step of the same schedule; and
+        # --continue-from: a run goes on from another's state it pushed (or a continued run from its own).
+        "training": {key: value for key, value in dataclasses.asdict(training).items()
+                     if key not in ("stop_at_step", "continue_from")},
         "data": {"set": data.name, "sequences": len(data.sequences)},
     }, resolved={
         "max_steps": max_steps, "micro_batch_size": micro_batch, "stop_at_step": stop_at, "seq_len": seq_len,
@@ -242,7 +304,7 @@ def main() -> None:
         "released_precision": recipe.precision, "precision_departure": departure,
         "deepspeed_fp16": (accelerator.state.deepspeed_plugin.deepspeed_config.get("fp16")
                            if accelerator.state.deepspeed_plugin is not None else None),
-    })
+    }, continued=continued)
     batches = iter(stream_loader(
         data.sequences, causal_lm_batch, start=session.state.sequences, micro_batch_size=micro_batch,
         process_index=accelerator.process_index, num_processes=accelerator.num_processes,
@@ -265,7 +327,7 @@ def main() -> None:
         lr_shape=recipe.lr_shape(max_steps), accumulation_at=lambda progress: accumulation,
         max_grad_norm=recipe.max_grad_norm, flops_per_token=flops_per_token, blocks=len(data.sequences),
         load_hint=LOAD_HINT.format(checkpoint=str(run.output_dir / "final")), revisions_at=revision_steps,
-        states_at=go_on_from,
+        states_at=go_on_from, push_states=implementation.push_training_states,
     )
 
 

@@ -1,5 +1,6 @@
 """A local stand-in for the Hugging Face Hub HTTP API: just the routes `HfApi.upload_folder` and friends call, and
-those that list a repository's branches and download a revision's files (`list_repo_refs`, `hf_hub_download`).
+those that list a repository's branches and files and download a revision's files (`list_repo_refs`,
+`list_repo_tree`, `hf_hub_download`, `snapshot_download`).
 
 It answers the real `huggingface_hub` client, so the tests exercise its actual code path without the network.
 Files are stored inline ("regular" upload mode for every file), so no LFS or Xet storage is involved.
@@ -223,6 +224,8 @@ class HubStandIn:
             ("POST", rf"/api/models/{REPO}/preupload/(?P<revision>[^/]+)", self.preupload),
             ("POST", rf"/api/models/{REPO}/commit/(?P<revision>[^/]+)", self.commit),
             ("GET", rf"/api/models/{REPO}/refs", self.refs),
+            ("GET", rf"/api/models/{REPO}/tree/(?P<revision>[^/]+)(?:/(?P<folder>.*))?", self.tree),
+            ("GET", r"/api/agent-harnesses", self.agent_harnesses),
             ("GET", rf"/api/models/{REPO}(?:/revision/(?P<revision>[^/]+))?", self.repo_info),
             ("HEAD", rf"/{REPO}/resolve/(?P<revision>[^/]+)/(?P<filename>.+)", self.resolve),
             ("GET", rf"/{REPO}/resolve/(?P<revision>[^/]+)/(?P<filename>.+)", self.resolve),
@@ -325,6 +328,31 @@ class HubStandIn:
         branches = [{"name": name, "ref": f"refs/heads/{name}", "targetCommit": self.head(repo, name)}
                     for name in sorted(self.repos[repo].branches)]
         return 200, {"branches": branches, "converts": [], "tags": []}
+
+    def tree(self, body: bytes, repo: str, revision: str, folder: str = "") -> tuple:
+        """The files and folders under `folder` of a revision, all depths (what `snapshot_download` lists with
+        `recursive=True`), in one page: no Link header, so the client asks for no next one."""
+        if repo not in self.repos:
+            return self.repo_not_found(repo)
+        stored = self.repos[repo]
+        revision = next((name for name in stored.branches if self.head(repo, name) == revision), revision)
+        if revision not in stored.branches:
+            return self.revision_not_found(revision)
+        prefix = f"{folder.strip('/')}/" if folder.strip("/") else ""
+        paths = sorted(path for path in stored.branches[revision] if path.startswith(prefix))
+        folders = sorted({"/".join(path.split("/")[:depth]) for path in paths
+                          for depth in range(prefix.count("/") + 1, path.count("/") + 1)})
+        entries = [{"type": "directory", "path": name, "oid": hashlib.sha1(name.encode()).hexdigest(), "size": 0}
+                   for name in folders]
+        for path in paths:
+            content = stored.branches[revision][path]
+            blob = hashlib.sha1(b"blob %d\0" % len(content) + content).hexdigest()  # git's id of the file
+            entries.append({"type": "file", "path": path, "oid": blob, "size": len(content)})
+        return 200, entries
+
+    def agent_harnesses(self, body: bytes) -> tuple:
+        """The registry of agent harnesses huggingface_hub fetches to name one in its user agent: none here."""
+        return 200, {"standardEnvVars": [], "harnesses": {}}
 
     def resolve(self, body: bytes, repo: str, revision: str, filename: str) -> tuple:
         """A file of a revision, with the headers `hf_hub_download` reads (the commit, the ETag, the size)."""

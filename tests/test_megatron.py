@@ -114,3 +114,18 @@ def test_the_index_check_runs_slice_by_slice_across_boundaries(tmp_path, monkeyp
     write_megatron(tmp_path / "document", documents)
     tokens = MegatronTokens(tmp_path / "document")
     assert tokens.num_tokens == 500 and np.array_equal(tokens.sequence(99, 5), documents[99])
+
+
+def test_a_polypythias_data_seed_is_recorded_with_the_standard_pile_only(tmp_path):
+    from cram.data.megatron import main as megatron_main
+    from cram.data.megatron import recorded_data_seed, recorded_deduplication
+
+    prefix = write_megatron(tmp_path / "seeds" / "document", [[1, 2, 3], [4, 5]])
+    megatron_main(["--output", str(prefix), "--deduplicated", "no"])
+    assert recorded_data_seed(prefix) is None  # Pythia's own order
+    megatron_main(["--output", str(prefix), "--deduplicated", "no", "--data-seed", "3"])
+    assert recorded_data_seed(prefix) == 3 and recorded_deduplication(prefix) is False
+    with pytest.raises(UserError, match="--data-seed names PolyPythias' pre-shuffled standard Pile: give it with "
+                                        "--deduplicated no"):
+        megatron_main(["--output", str(prefix), "--deduplicated", "yes", "--data-seed", "3"])
+    assert recorded_data_seed(prefix) == 3  # the refused call recorded nothing

@@ -214,6 +214,13 @@ ZERO3_BUILD = textwrap.dedent("""
     plain = build_pythia_model("pythia-14m", zero_init=False)  # the meta-device path, as without ZeRO-3
     assert all(torch.equal(weights[name], param) for name, param in plain.named_parameters())  # the same draws
     torch.save(weights, sys.argv[2])
+    # A revision's weights (--continue-from), named as saved files name them, written into the partitions.
+    from cram.models.pythia_model import load_pythia_weights
+    saved_name = lambda name: "embed_out.weight" if name == "lm_head.weight" else name
+    kept = {saved_name(name): (2 * param.detach()).half() for name, param in plain.named_parameters()}
+    load_pythia_weights(model, kept)
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        assert all(torch.equal(param, kept[saved_name(name)].float()) for name, param in model.named_parameters())
 """)
 
 
@@ -221,7 +228,8 @@ ZERO3_BUILD = textwrap.dedent("""
 @pytest.mark.slow
 def test_the_init_holds_under_zero3_zero_init(tmp_path):
     """Built under deepspeed.zero.Init (one gloo process), the gathered weights have the released init, drawn
-    exactly as the meta-device build draws them from the same seed."""
+    exactly as the meta-device build draws them from the same seed; a revision's float16 weights loaded into the
+    partitions (`load_pythia_weights`, as --continue-from does) are what gathering them gives back."""
     import socket
 
     with socket.socket() as probe:

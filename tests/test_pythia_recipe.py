@@ -97,15 +97,17 @@ def single_process(tmp_path_factory, recipe_env, megatron_data) -> Path:
 
 @pytest.fixture(scope="module")
 def zero1_pushed(tmp_path_factory, recipe_env, megatron_data) -> tuple[Path, HubStandIn]:
-    """2 processes under ZeRO-1, pushing the model at each Pythia checkpoint step and at the end."""
+    """2 processes under ZeRO-1, pushing the model at each Pythia checkpoint step, with the training state of its
+    step after step 0, and at the end; its log in launch.log beside its output folder."""
     output_dir = tmp_path_factory.mktemp("zero1") / "run"
     environment = {**recipe_env, "HF_TOKEN": TOKEN}
     environment.pop("HF_HUB_OFFLINE", None)
     with HubStandIn(token=TOKEN, session_address=True) as hub:  # its programs fork as the others do
         command = launch_command("cpu-zero1", megatron_data, output_dir, "--push-to-hub", "lab/pythia-tiny",
-                                 "--push-checkpoints")
+                                 "--push-checkpoints", "--push-training-states")
         completed = run(command, cwd=REPO, env={**environment, "HF_ENDPOINT": hub.endpoint})
     assert completed.returncode == 0, completed.stderr[-3000:]
+    (output_dir.parent / "launch.log").write_text(completed.stdout)
     return output_dir, hub
 
 
@@ -167,6 +169,16 @@ def test_zero1_on_two_processes_matches_one_process_and_pushes_pythia_revisions(
     assert {"step0", "step1", "step2", "step4", "main"} <= set(stored.branches)
     assert "config.json" in stored.branches["step4"] and "model.safetensors" in stored.branches["main"]
     assert hub.unknown_routes == []
+    # Each revision after step 0 with its step's training state (both ranks' ZeRO-1 shards), the size said.
+    for step in (1, 2, 4):
+        pushed = json.loads(stored.branches[f"step{step}"]["training_state/cram_train_state.json"])
+        assert pushed["state"]["optimizer_steps"] == step and pushed["layout"]["num_processes"] == 2
+        shards = [path for path in stored.branches[f"step{step}"] if path.endswith("_optim_states.pt")]
+        assert len(shards) == 2, shards
+    assert not any(path.startswith("training_state/") for path in stored.branches["step0"])
+    log = (output_dir.parent / "launch.log").read_text()
+    assert "training states: pushed beside 3 revisions as training_state/, at least 16.6 MiB each" in log
+    assert "training state of step 2: " in log and "pushed beside revision step2 as training_state/" in log
     # DeepSpeed got the released fp16 loss scaling (the JSON says 2^16), enabled or not by the precision.
     fp16 = options["deepspeed_fp16"]
     assert (fp16["loss_scale"], fp16["initial_scale_power"], fp16["loss_scale_window"], fp16["hysteresis"],
@@ -577,10 +589,17 @@ def assert_moved(output_dir: Path, reference: list[dict], moved_from: int, toler
 
 @pytest.fixture(scope="module")
 def zero1_on_one_process_under_zero3(tmp_path_factory, recipe_env, megatron_data, zero1_pushed) -> Path:
-    """The 2-process ZeRO-1 run's step-2 state, resumed on 1 process under ZeRO-3 (saving its own step-4 state)."""
-    output_dir = state_at(zero1_pushed[0], 2, tmp_path_factory.mktemp("zero1-to-zero3"))
-    completed = resume_launch("cpu-zero3", 1, megatron_data, output_dir, 1, recipe_env)
+    """The 2-process ZeRO-1 run's step-2 state, as it pushed it beside its revision step2, continued from the Hub
+    (a stand-in serving what it pushed) on 1 process under ZeRO-3 in a new folder (saving its own step-4 state)."""
+    output_dir = tmp_path_factory.mktemp("zero1-to-zero3") / "run"
+    environment = {key: value for key, value in recipe_env.items() if key != "HF_HUB_OFFLINE"}
+    with HubStandIn(session_address=True) as hub:
+        hub.repos = zero1_pushed[1].repos
+        completed = resume_launch("cpu-zero3", 1, megatron_data, output_dir, 1,
+                                  {**environment, "HF_ENDPOINT": hub.endpoint},
+                                  "--continue-from", "lab/pythia-tiny@step2")
     assert "saved on 2 process(es), deepspeed ZeRO-1, resumed on 1 process(es), deepspeed ZeRO-3" in completed.stdout
+    assert f"resuming from {output_dir / 'checkpoints' / 'step-00000002'}: step 2" in completed.stdout
     return output_dir
 
 
@@ -634,14 +653,21 @@ def test_a_ddp_state_moves_from_one_process_to_two_and_back_to_the_same_losses(
 
 
 def test_a_state_resumes_only_in_the_form_it_was_saved_in(recipe_module, monkeypatch, tmp_path, megatron_data,
-                                                           zero1_pushed):
-    # A DeepSpeed state on a launch without DeepSpeed: refused in this process, before any step.
-    output_dir = state_at(zero1_pushed[0], 2, tmp_path)
+                                                           zero1_pushed, hub_of_revisions):
+    # A DeepSpeed state on a launch without DeepSpeed, named by --resume as the Hub revision it was pushed beside:
+    # downloaded into the run's checkpoints, then refused in this process, before any step.
+    hub_of_revisions.repos = zero1_pushed[1].repos
+    output_dir = tmp_path / "run"
     text = refusal(recipe_module, monkeypatch, [*recipe_arguments(megatron_data, output_dir, 1)[1:],
-                                                "--resume", "auto"])
+                                                "--resume", "lab/pythia-tiny@step2"])
     assert "its state was saved under deepspeed" in text and "launch with a deepspeed config" in text
     assert text.count(". ") == 0
     assert sorted(path.name for path in (output_dir / "checkpoints").iterdir()) == ["step-00000002"]
+    # A revision with the model alone is no state to resume.
+    text = refusal(recipe_module, monkeypatch, [*recipe_arguments(megatron_data, tmp_path / "other", 1)[1:],
+                                                "--resume", "lab/pythia-tiny@step0"])
+    assert text.startswith("lab/pythia-tiny@step0 keeps no training state (the model alone): continue from it "
+                           "with --continue-from") and text.count(". ") == 0
 
 
 BF16 = ["--precision", "bf16"]
@@ -672,3 +698,351 @@ def test_bf16_zero_states_move_from_two_processes_to_one_and_back_across_stages_
     assert_moved(on_two, reference, 4, MOVED_BF16_LOSS)
     options = json.loads((on_two / "final" / "cram_options.json").read_text())["resolved"]
     assert options["mixed_precision"] == "bf16"
+
+
+# Continuing from a kept model (--continue-from): Pythia's whole schedule at the test's batch, 8 steps uninterrupted,
+# against the same run continued from its step-4 revision served by a Hub stand-in.
+CONTINUED = [*FULL_LENGTH, "--stop-at-step", "8"]
+
+
+def run_in_process(recipe_module, monkeypatch, arguments: list) -> None:
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    monkeypatch.setattr(sys, "argv", ["pythia.py", *map(str, arguments)])
+    recipe_module.main()
+
+
+@pytest.fixture
+def hub_of_revisions(monkeypatch, tmp_path):
+    """A Hub stand-in this process's huggingface_hub downloads from (into a cache of the test's own); `publish(repo,
+    folder, branch)` puts a revision folder's files on a branch, as --push-checkpoints leaves them."""
+    from hub_standin import StoredRepo
+    from huggingface_hub import constants
+
+    with HubStandIn() as hub:
+        # huggingface_hub's address, as HF_ENDPOINT would have set it when it loaded (files' addresses included).
+        monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                            hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+        def publish(repo: str, folder: Path, branch: str, leave_out: tuple[str, ...] = ()) -> None:
+            stored = hub.repos.setdefault(repo, StoredRepo(private=False))
+            stored.branches[branch] = {path.name: path.read_bytes() for path in folder.iterdir()
+                                       if path.is_file() and path.name not in leave_out}
+            stored.commits[branch] = [f"{branch}"]
+
+        hub.publish = publish
+        yield hub
+    assert hub.unknown_routes == []
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_eight_steps(recipe_module, megatron_data, tmp_path_factory) -> Path:
+    """Pythia's first 8 steps at the test's batch, in this process: its revisions at 0, 1, 2, 4 and 8, its training
+    states at 4 and 8."""
+    prefix, tokenizer = megatron_data
+    output_dir = tmp_path_factory.mktemp("eight") / "run"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        run_in_process(recipe_module, monkeypatch, [*CONTINUED, "--data", prefix, "--tokenizer", tokenizer,
+                                                    "--output-dir", output_dir, "--checkpoint-every", "4"])
+    return output_dir
+
+
+def test_a_revision_from_the_hub_continues_with_the_uninterrupted_run_s_schedule_data_and_loss(
+    recipe_module, monkeypatch, capsys, tmp_path, megatron_data, uninterrupted_eight_steps, hub_of_revisions
+):
+    """Step 4's revision (the model alone) pushed to a Hub stand-in and continued to step 8: steps 5-8 run at the
+    uninterrupted run's learning rates exactly, and step 5, step 4's weights on step 5's batch, has its loss (the
+    revision keeps fp32 weights: to summation order). Later losses differ: Adam's moments restart at zero."""
+    prefix, tokenizer = megatron_data
+    hub_of_revisions.publish("lab/pythia-tiny", uninterrupted_eight_steps / "revisions" / "step4", "step4")
+    capsys.readouterr()
+    output_dir = tmp_path / "continued"
+    # Another seed: the weights it would draw at step 0 are not the revision's, which step 5's loss tells apart.
+    run_in_process(recipe_module, monkeypatch, [*CONTINUED, "--data", prefix, "--tokenizer", tokenizer, "--seed", "7",
+                                                "--output-dir", output_dir, "--continue-from", "lab/pythia-tiny@step4"])
+    log = capsys.readouterr().out
+    assert "continuing a kept revision from step 4 (lab/pythia-tiny@step4)" in log
+    assert "from sequence 16, step 5's batch; Adam's moments start at zero" in log
+    uninterrupted, continued = history(uninterrupted_eight_steps), history(output_dir)
+    assert [row["step"] for row in continued] == [5, 6, 7, 8]
+    for row, expected in zip(continued, uninterrupted[4:], strict=True):
+        assert row["lr"] == expected["lr"], row["step"]  # exactly: the same step of the same schedule
+    assert continued[0]["loss"] == pytest.approx(uninterrupted[4]["loss"], abs=1e-6)
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["optimizer_steps"] == 8 and summary["sequences"] == 8 * 4
+    assert summary["continued_from"]["step"] == 4 and summary["continued_from"]["weights_dtype"] == "float32"
+    assert summary["continued_from"]["optimizer"].startswith("zero moments")
+    # The revisions after step 4 only, and the training state at the stop to go on from.
+    assert sorted(path.name for path in (output_dir / "revisions").iterdir()) == ["step8"]
+    assert sorted(path.name for path in (output_dir / "checkpoints").iterdir()) == ["step-00000008"]
+
+
+def test_a_local_revision_is_found_by_folder_and_step_or_as_its_own_folder(uninterrupted_eight_steps):
+    from cram.train.continuation import resolve_revision
+
+    kept = uninterrupted_eight_steps / "revisions" / "step4"
+    for name in (f"{uninterrupted_eight_steps}@step4", f"{uninterrupted_eight_steps / 'revisions'}@step4", str(kept)):
+        source = resolve_revision(name)
+        assert (source.folder, source.step, source.released) == (kept, 4, None)
+        assert source.progress == {"optimizer_steps": 4, "skipped_steps": 0, "sequences": 16, "tokens": 16 * 32}
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [("no such step on the Hub", "the Hub repository lab/pythia-tiny has no revision step3"),
+     ("no such repository", "is neither a local folder nor a Hub repository you can read"),
+     ("no such local step", "has no revision step3: give one of the steps it keeps (0, 1, 2, 4, 8)"),
+     ("another size", "lab/pythia-tiny@step4 is pythia-14m, not pythia-31m: continue it with --size pythia-14m"),
+     ("another vocabulary", "has 1,024 embedding rows and this run 2,048: pass --vocab-size 1024"),
+     ("another order", "was trained on other data or another order than this run's (global_batch_size 4 there, "
+                       "8 here; first batch"),
+     ("released, data unrecorded", "EleutherAI/pythia-14m trained on the standard Pile, and --data records no "
+                                   "deduplication"),
+     ("released, deduplicated data", "EleutherAI/pythia-14m-deduped trained on the deduplicated Pile, and --data is "
+                                     "recorded as not deduplicated"),
+     ("at the stop", "is at step 4, and this run stops at step 4: give a --stop-at-step after 4"),
+     ("a PolyPythias seed, Pythia's order", "EleutherAI/pythia-14m-seed3 trained on PolyPythias' data order of seed 3, "
+                                            "and --data records no PolyPythias data seed"),
+     # Its own order recorded, the seed passes the order's check and meets the next: Pythia's batch.
+     ("a PolyPythias seed, its order", "EleutherAI/pythia-14m-seed3 trained at 1024 sequences of 2048 tokens over "
+                                       "143000 steps, and this run at 4 of 32")],
+)
+def test_a_revision_the_run_cannot_go_on_from_is_refused_in_one_sentence(
+    recipe_module, monkeypatch, tmp_path, megatron_data, uninterrupted_eight_steps, hub_of_revisions, case, message
+):
+    from cram.data.megatron import record_deduplication
+
+    prefix, tokenizer = megatron_data
+    step4 = uninterrupted_eight_steps / "revisions" / "step4"
+    hub_of_revisions.publish("lab/pythia-tiny", step4, "step4")
+    # Released models keep no record of ours: their names say what they trained on.
+    for released in ("EleutherAI/pythia-14m", "EleutherAI/pythia-14m-deduped", "EleutherAI/pythia-14m-seed3"):
+        hub_of_revisions.publish(released, step4, "step4", leave_out=("cram_options.json",))
+    recorded, seeded = tmp_path / "recorded", tmp_path / "seeded"  # the same data, recorded as not deduplicated
+    for folder, seed in ((recorded, None), (seeded, 3)):  # and as PolyPythias' pre-shuffled data of seed 3
+        folder.mkdir()
+        for suffix in (".bin", ".idx"):
+            (folder / f"document{suffix}").symlink_to(prefix.with_suffix(suffix))
+        record_deduplication(folder / "document", False, seed)
+    base = [*CONTINUED, "--data", prefix, "--tokenizer", tokenizer, "--output-dir", tmp_path / "run",
+            "--continue-from", "lab/pythia-tiny@step4"]
+    extra = {
+        "no such step on the Hub": ["--continue-from", "lab/pythia-tiny@step3"],
+        "no such repository": ["--continue-from", "lab/nothing-here@step4"],
+        "no such local step": ["--continue-from", f"{uninterrupted_eight_steps}@step3"],
+        "another size": ["--size", "pythia-31m"],
+        "another vocabulary": ["--vocab-size", "2048"],
+        "another order": ["--global-batch-size", "8"],
+        "released, data unrecorded": ["--continue-from", "EleutherAI/pythia-14m@step4"],
+        "released, deduplicated data": ["--continue-from", "EleutherAI/pythia-14m-deduped@step4", "--data",
+                                        recorded / "document"],
+        "at the stop": ["--stop-at-step", "4"],
+        "a PolyPythias seed, Pythia's order": ["--continue-from", "EleutherAI/pythia-14m-seed3@step4", "--data",
+                                               recorded / "document"],
+        "a PolyPythias seed, its order": ["--continue-from", "EleutherAI/pythia-14m-seed3@step4", "--data",
+                                          seeded / "document"],
+    }[case]
+    text = refusal(recipe_module, monkeypatch, [*base, *extra])
+    assert message in text and text.count(". ") == 0, text
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "final").exists()
+
+
+# GPT-NeoX's own training state (tests/gpt_neox_standin.py): the uninterrupted run's step-4 state, written by
+# DeepSpeed's pipeline engine on 2 ranks under ZeRO-1 as GPT-NeoX writes Pythia's, continued to step 8. fp32 weights
+# and moments carried bit for bit give the uninterrupted run's losses to fp32's rounding; zero moments move the losses
+# after step 5 by hundreds of times this.
+CONVERTED_FP32_LOSS = 1e-6
+
+
+@pytest.fixture(scope="module")
+def gpt_neox_checkpoint(tmp_path_factory, recipe_env, uninterrupted_eight_steps) -> Path:
+    output = tmp_path_factory.mktemp("gpt-neox") / "checkpoints"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [torchrun, "--standalone", "--nproc_per_node", "2", REPO / "tests" / "gpt_neox_standin.py",
+               uninterrupted_eight_steps / "checkpoints" / "step-00000004", uninterrupted_eight_steps / "revisions" /
+               "step4", output, "4", "4", "32", "143000"]
+    completed = run(command, cwd=REPO, env={**recipe_env, "PYTHONPATH": str(REPO)})
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return output / "global_step4"
+
+
+def assert_continued_exactly(continued: Path, uninterrupted: Path, tolerance: float) -> None:
+    mine, reference = history(continued), history(uninterrupted)
+    assert [row["step"] for row in mine] == [5, 6, 7, 8]
+    for row, expected in zip(mine, reference[4:], strict=True):
+        assert row["loss"] == pytest.approx(expected["loss"], abs=tolerance), row["step"]
+        assert row["grad_norm"] == pytest.approx(expected["grad_norm"], rel=MOVED_FP32_GRAD_NORM), row["step"]
+        assert row["lr"] == expected["lr"], row["step"]
+
+
+def test_gpt_neox_s_own_training_state_continues_with_the_uninterrupted_run_s_losses(
+    recipe_module, monkeypatch, capsys, tmp_path, megatron_data, heldout_file, uninterrupted_eight_steps,
+    gpt_neox_checkpoint
+):
+    """Converted on one process without DeepSpeed: Accelerate's files of GPT-NeoX's fp32 master weights, Adam's
+    moments and step, resumed as the run's own step-4 state. The replication check judges the continued run at the
+    steps it trained, after 4, though it keeps the converted state at 4."""
+    prefix, tokenizer = megatron_data
+    capsys.readouterr()
+    output_dir = tmp_path / "continued"
+    run_in_process(recipe_module, monkeypatch, [*CONTINUED, "--data", prefix, "--tokenizer", tokenizer, "--seed", "7",
+                                                "--output-dir", output_dir, "--continue-from", gpt_neox_checkpoint])
+    log = capsys.readouterr().out
+    assert ("GPT-NeoX's: its fp32 master weights, Adam's moments and step count (4) from the 2 ranks' ZeRO-1 files; "
+            "the learning-rate schedule at its step 4 and the data from sequence 16") in log
+    assert f"resuming from {output_dir / 'checkpoints' / 'step-00000004'}: step 4" in log
+    assert_continued_exactly(output_dir, uninterrupted_eight_steps, CONVERTED_FP32_LOSS)
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["continued_from"]["optimizer"].startswith("GPT-NeoX's: its fp32 master weights")
+    assert (output_dir / "checkpoints" / "step-00000004" / "model.safetensors").is_file()
+    status, result = replication(output_dir, "--reference", uninterrupted_eight_steps, "--data", prefix,
+                                 "--heldout", heldout_file, "--output", tmp_path / "replication")
+    assert status == 0 and [row["step"] for row in result["rows"]] == [8]
+    assert result["continued"] == (f"continued from {gpt_neox_checkpoint} at step 4: judged at the steps it trained, "
+                                   "after 4")
+
+
+def test_gpt_neox_s_state_continues_under_another_zero_stage_and_process_count(
+    tmp_path, recipe_env, megatron_data, uninterrupted_eight_steps, gpt_neox_checkpoint
+):
+    """Saved by 2 ranks under ZeRO-1, continued on 1 process under ZeRO-3 through DeepSpeed's universal form: the
+    uninterrupted run's losses to the regrouped sums' tolerance."""
+    prefix, tokenizer = megatron_data
+    output_dir = tmp_path / "run"
+    command = [*accelerate_launch(REPO / "accel_configs" / "cpu-zero3.yaml"), "--num_processes", "1", RECIPE,
+               *CONTINUED, "--micro-batch-size", "1", "--data", prefix, "--tokenizer", tokenizer, "--output-dir",
+               output_dir, "--continue-from", gpt_neox_checkpoint]
+    completed = run(command, cwd=REPO, env=recipe_env)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "saved on 2 process(es), deepspeed ZeRO-1, resumed on 1 process(es), deepspeed ZeRO-3" in completed.stdout
+    assert_continued_exactly(output_dir, uninterrupted_eight_steps, MOVED_FP32_LOSS)
+    zero = output_dir / "checkpoints" / "step-00000004" / UNIVERSAL_FOLDER / "pytorch_model" / "zero"
+    assert (zero / "lm_head.weight" / "exp_avg_sq.pt").is_file()
+
+
+def test_gpt_neox_s_pipeline_names_map_to_transformers_gpt_neox():
+    from cram.train.gpt_neox_checkpoint import transformers_name
+
+    assert transformers_name("0.word_embeddings.weight", 6) == "gpt_neox.embed_in.weight"
+    assert transformers_name("2.attention.query_key_value.weight", 6) == \
+        "gpt_neox.layers.0.attention.query_key_value.weight"  # fused QKV: one layout in both
+    assert transformers_name("7.mlp.dense_4h_to_h.bias", 6) == "gpt_neox.layers.5.mlp.dense_4h_to_h.bias"
+    assert transformers_name("3.mlp.linear1.weight", 6) == "gpt_neox.layers.1.mlp.dense_h_to_4h.weight"  # later names
+    assert transformers_name("9.norm.weight", 6) == "gpt_neox.final_layer_norm.weight"
+    assert transformers_name("10.final_linear.weight", 6) == "embed_out.weight"  # untied output layer
+    assert transformers_name("8.norm.weight", 6) is None and transformers_name("11.final_linear.weight", 6) is None
+
+
+def rewrite_optimizer_files(folder: Path, change) -> None:
+    for path in folder.glob("zero_pp_rank_*_optim_states.pt"):
+        saved = torch.load(path, weights_only=False)
+        change(saved["optimizer_state_dict"])
+        torch.save(saved, path)
+
+
+def test_gpt_neox_s_fp16_loss_scale_is_read_and_given_to_the_run_s_scaler(tmp_path, gpt_neox_checkpoint):
+    """The dynamic scaler a GPT-NeoX fp16 run pickles (DeepSpeed's own DynamicLossScaler; the CPU trains no fp16),
+    read from the optimizer files and given to DeepSpeed's scaler and to cram's GradScaler of DeepSpeed's rules."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from cram.train.gpt_neox_checkpoint import read_gpt_neox_checkpoint
+    from cram.train.loss_scaling import HysteresisGradScaler, restore_loss_scale
+
+    folder = Path(shutil.copytree(gpt_neox_checkpoint, tmp_path / "global_step4"))
+    saved_scaler = DynamicLossScaler(init_scale=2**12, scale_window=1000, min_scale=1, delayed_shift=2,
+                                     consecutive_hysteresis=False)
+    saved_scaler.cur_scale, saved_scaler.cur_iter, saved_scaler.last_overflow_iter = 512.0, 4, 3
+    saved_scaler.cur_hysteresis = 1
+
+    def as_fp16(state: dict) -> None:
+        state["loss_scaler"], state["dynamic_loss_scale"] = saved_scaler, True
+
+    rewrite_optimizer_files(folder, as_fp16)
+    loss_scale = read_gpt_neox_checkpoint(folder, 6).loss_scale
+    assert loss_scale == {"cur_scale": 512.0, "cur_iter": 4, "last_overflow_iter": 3, "cur_hysteresis": 1,
+                          "dynamic": True}
+    engine_scaler = DynamicLossScaler(init_scale=2**12, scale_window=1000, min_scale=1, delayed_shift=2,
+                                     consecutive_hysteresis=False)
+    restore_loss_scale(SimpleNamespace(scaler=None), SimpleNamespace(optimizer=SimpleNamespace(
+        loss_scaler=engine_scaler)), loss_scale)
+    assert (engine_scaler.cur_scale, engine_scaler.cur_iter, engine_scaler.last_overflow_iter,
+            engine_scaler.cur_hysteresis) == (512.0, 4, 3, 1)
+    scaler = HysteresisGradScaler("cpu", init_scale=2.0**12, growth_interval=1000, hysteresis=2, min_scale=1.0)
+    restore_loss_scale(SimpleNamespace(scaler=scaler), SimpleNamespace(), loss_scale)
+    state = scaler.state_dict()
+    assert (state["scale"], state["iteration"], state["last_overflow_iteration"], state["hysteresis_left"]) == (
+        512.0, 4, 3, 1)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("DeeperSpeed 0.3's stage 1", "was written by an older DeepSpeed's ZeRO-1 (DeeperSpeed 0.3's stage-1 optimizer"),
+    ("a rank's file missing", "holds 1 of the 2 ranks' optimizer files: give a checkpoint every rank finished saving"),
+    ("another size", "is pythia-14m, not pythia-31m: continue it with --size pythia-14m"),
+    ("another batch", "was trained at another batch or schedule than this run's (global_batch_size 4 there, 8 here)"),
+])
+def test_a_gpt_neox_checkpoint_the_run_cannot_go_on_from_is_refused_in_one_sentence(
+    recipe_module, monkeypatch, tmp_path, megatron_data, gpt_neox_checkpoint, case, message
+):
+    prefix, tokenizer = megatron_data
+    folder = Path(shutil.copytree(gpt_neox_checkpoint, tmp_path / "global_step4"))
+    extra = []
+    if case == "DeeperSpeed 0.3's stage 1":  # stage1.py's state dict: sub-partitions, not one partition per group
+        rewrite_optimizer_files(folder, lambda state: state.update(
+            local_sub_partitions_of_fp32_groups=state.pop("single_partition_of_fp32_groups")))
+    elif case == "a rank's file missing":
+        (folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    else:
+        extra = {"another size": ["--size", "pythia-31m"], "another batch": ["--global-batch-size", "8"]}[case]
+    text = refusal(recipe_module, monkeypatch, [*CONTINUED, "--data", prefix, "--tokenizer", tokenizer,
+                                                "--output-dir", tmp_path / "run", "--continue-from", folder, *extra])
+    assert message in text and text.count(". ") == 0, text
+    assert not (tmp_path / "run" / "final").exists()
+    assert not any((tmp_path / "run" / "checkpoints").glob("step-*")) if (tmp_path / "run").exists() else True
+
+
+def test_a_released_model_is_continued_from_its_published_gpt_neox_state_where_one_exists(
+    uninterrupted_eight_steps, gpt_neox_checkpoint, hub_of_revisions
+):
+    """EleutherAI/pythia-14m@step4 with EleutherAI/neox-ckpt-pythia-14m@step4 published (files as GPT-NeoX saves them,
+    under global_step4/ with `latest`): its GPT-NeoX state; the deduplicated model, with none published: its weights."""
+    from hub_standin import StoredRepo
+
+    from cram.train.continuation import resolve_revision
+
+    step4 = uninterrupted_eight_steps / "revisions" / "step4"
+    for released in ("EleutherAI/pythia-14m", "EleutherAI/pythia-14m-deduped"):
+        hub_of_revisions.publish(released, step4, "step4", leave_out=("cram_options.json",))
+    files = {f"global_step4/{path.relative_to(gpt_neox_checkpoint).as_posix()}": path.read_bytes()
+             for path in gpt_neox_checkpoint.rglob("*") if path.is_file()}
+    hub_of_revisions.repos["EleutherAI/neox-ckpt-pythia-14m"] = StoredRepo(
+        private=False, branches={"main": {}, "step4": {**files, "latest": b"global_step4"}},
+        commits={"main": [], "step4": ["step4"]})
+    published = resolve_revision("EleutherAI/pythia-14m@step4")
+    assert published.gpt_neox is not None and published.gpt_neox.name == "global_step4"
+    assert (published.released, published.deduplicated, published.step) == ("EleutherAI/pythia-14m", False, 4)
+    assert (published.gpt_neox / "zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()
+    weights_only = resolve_revision("EleutherAI/pythia-14m-deduped@step4")
+    assert weights_only.gpt_neox is None and (weights_only.folder / "model.safetensors").is_file()
+    assert weights_only.deduplicated is True
+
+
+def test_a_gpt_neox_checkpoint_saved_without_its_optimizer_continues_from_its_layer_files_with_zero_moments(
+    recipe_module, monkeypatch, capsys, tmp_path, megatron_data, uninterrupted_eight_steps, gpt_neox_checkpoint
+):
+    prefix, tokenizer = megatron_data
+    folder = Path(shutil.copytree(gpt_neox_checkpoint, tmp_path / "global_step4"))
+    for optimizer_file in folder.glob("zero_pp_rank_*_optim_states.pt"):
+        optimizer_file.unlink()
+    capsys.readouterr()
+    output_dir = tmp_path / "continued"
+    run_in_process(recipe_module, monkeypatch, [*CONTINUED, "--data", prefix, "--tokenizer", tokenizer, "--seed", "7",
+                                                "--output-dir", output_dir, "--continue-from", folder])
+    assert "zero moments: the GPT-NeoX checkpoint keeps no optimizer files" in capsys.readouterr().out
+    continued, uninterrupted = history(output_dir), history(uninterrupted_eight_steps)
+    assert continued[0]["loss"] == pytest.approx(uninterrupted[4]["loss"], abs=CONVERTED_FP32_LOSS)  # its weights
+    assert continued[1]["loss"] != pytest.approx(uninterrupted[5]["loss"], abs=CONVERTED_FP32_LOSS)  # not its moments

@@ -214,11 +214,13 @@ def write_megatron(prefix: str | Path, documents: Iterable[Iterable[int]], dtype
 FACTS_SUFFIX = ".facts.json"
 
 
-def record_deduplication(prefix: str | Path, deduplicated: bool) -> Path:
-    """Record beside a Megatron pair whether its documents were deduplicated (the deduplicated Pile)."""
+def record_deduplication(prefix: str | Path, deduplicated: bool, data_seed: int | None = None) -> Path:
+    """Record beside a Megatron pair whether its documents were deduplicated (the deduplicated Pile), and, for
+    PolyPythias' pre-shuffled data (EleutherAI/pile-preshuffled-seeds), the seed whose order it holds."""
     path = split_prefix(prefix).with_suffix(FACTS_SUFFIX)
     staging = path.with_name(path.name + ".tmp")
-    staging.write_text(json.dumps({"deduplicated": deduplicated}) + "\n")
+    facts = {"deduplicated": deduplicated, **({"data_seed": data_seed} if data_seed is not None else {})}
+    staging.write_text(json.dumps(facts) + "\n")
     os.replace(staging, path)
     return path
 
@@ -234,6 +236,18 @@ def recorded_deduplication(source: str | Path) -> bool | None:
     except (OSError, ValueError, AttributeError):
         return None
     return value if isinstance(value, bool) else None
+
+
+def recorded_data_seed(source: str | Path) -> int | None:
+    """The PolyPythias data seed whose order the data at `source` was recorded to hold; None for Pythia's own order
+    (seed 1234) or where nothing was recorded."""
+    if not is_megatron(source):
+        return None
+    try:
+        value = json.loads(split_prefix(source).with_suffix(FACTS_SUFFIX).read_text()).get("data_seed")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def tokenized_documents(texts: Iterable[str], tokenizer: PreTrainedTokenizerBase) -> Iterator[list[int]]:
@@ -264,14 +278,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--deduplicated", choices=("yes", "no"), default=None,
                         help="whether the documents were deduplicated (the deduplicated Pile: yes), recorded beside "
                              "the pair for the replication check")
+    parser.add_argument("--data-seed", type=int, default=None,
+                        help="with --deduplicated no: the pair is PolyPythias' pre-shuffled data of this seed "
+                             "(EleutherAI/pile-preshuffled-seeds), the order pythia-SIZE-seedN trained on")
     args = parser.parse_args(argv)
     prefix = split_prefix(args.output)
+    if args.data_seed is not None and args.deduplicated != "no":
+        raise UserError("--data-seed names PolyPythias' pre-shuffled standard Pile: give it with --deduplicated no.")
     if not args.sources:
         if args.deduplicated is None or not is_megatron(prefix):
             raise UserError(f"nothing to do: give text sources to write {prefix}.bin/.idx, or --deduplicated yes|no "
                             "to record for an existing pair.")
-        print(f"recorded in {record_deduplication(prefix, args.deduplicated == 'yes')}: deduplicated "
-              f"{args.deduplicated}")
+        seed = f", data seed {args.data_seed}" if args.data_seed is not None else ""
+        print(f"recorded in {record_deduplication(prefix, args.deduplicated == 'yes', args.data_seed)}: deduplicated "
+              f"{args.deduplicated}{seed}")
         return
     sources = resolve_sources(args.sources)
 
@@ -290,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     write_megatron(prefix, tokenized_documents(texts(), tokenizer), dtype=dtype)
     tokenizer.save_pretrained(prefix.parent / "tokenizer")
     if args.deduplicated is not None:
-        record_deduplication(prefix, args.deduplicated == "yes")
+        record_deduplication(prefix, args.deduplicated == "yes", args.data_seed)
     tokens = MegatronTokens(prefix)
     print(f"wrote {tokens.num_sequences:,} documents, {tokens.num_tokens:,} tokens to {prefix}.bin/.idx; "
           f"tokenizer ({len(tokenizer):,} tokens) in {prefix.parent / 'tokenizer'}")

@@ -47,6 +47,7 @@ from transformers.utils.logging import disable_progress_bar
 from cram.data.causal import first_batch_fingerprint, load_causal_data
 from cram.data.heldout import HeldOut, heldout_sequences
 from cram.errors import UserError, run_cli
+from cram.eval.continued_runs import judge_after_continuation
 from cram.eval.replication_report import write_report
 from cram.eval.replication_runs import RunFacts, check_comparable, check_data, choose_steps, expand_references, read_run
 from cram.eval.replication_scoring import (
@@ -301,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     locations, reference_set = expand_references(args.reference, run)
     references = [Revisions(location) for location in locations]
     ours = Revisions(args.run_dir)
+    continued = judge_after_continuation(ours, Path(args.run_dir))  # a run continued from step N: after N
     steps, skipped = choose_steps(ours, references, parse_steps(args.steps))
     check_comparable(run, locations, references, steps[0], ours)
     # The run's data exactly as the run read it (its index sized by its own steps × batch) with its own tokenizer,
@@ -330,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         size = min(count, run.global_batch_size)
         next_batches[step] = ((first, data.sequences.__getitems__(list(range(first, first + size)))["input_ids"])
                               if first + size <= len(data.sequences) else None)
+    if continued is not None:
+        print(continued)
     print(f"scoring {count:,} held-out sequences of {run.seq_len + 1} tokens ({heldout.describe()}) with "
           f"{len(references) + 1} models at {len(steps)} steps, and the next batch with ours and "
           f"{locations[0]}, on {device} in {str(dtype).removeprefix('torch.')}: predicted "
@@ -339,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     result = compare(run, references, steps, heldout, next_batches, alpha=args.alpha, tolerance=args.tolerance,
                      device=device, dtype=dtype, micro_batch_size=args.micro_batch_size, reference_set=reference_set)
     result["skipped_steps"] = skipped
+    result["continued"] = continued
     result["predicted_seconds"] = plan.predicted_seconds(count)
     output = Path(args.output) if args.output else run.folder / "replication"
     write_report(result, output)

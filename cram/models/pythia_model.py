@@ -182,6 +182,30 @@ class _gathered:
             self.context.__exit__(*exc)
 
 
+@torch.no_grad()
+def load_pythia_weights(model: GPTNeoXForCausalLM, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy saved weights into `model`'s parameters, upcast or cast to their dtype, module by module (gathered where
+    they are ZeRO-3 partitions, rank 0's copy kept); a parameter the files lack raises KeyError with its name.
+
+    Names as saved files spell them: transformers saves GPT-NeoX's output layer as `embed_out.weight` where the
+    module calls it `lm_head`; buffers the files may carry (older transformers' attention masks, rotary tables)
+    are rebuilt by the model, not read."""
+    for prefix, module in model.named_modules():
+        named = list(module.named_parameters(recurse=False))
+        if not named:
+            continue
+        names = [f"{prefix}.{short_name}" if prefix else short_name for short_name, _ in named]
+        saved = [tensors.get(name, tensors.get("embed_out.weight") if name == "lm_head.weight" else None)
+                 for name in names]
+        for name, tensor in zip(names, saved, strict=True):
+            if tensor is None:
+                raise KeyError(name)
+        with _gathered([param for _, param in named]) as this_rank_writes:
+            if this_rank_writes:
+                for (_, param), tensor in zip(named, saved, strict=True):
+                    param.copy_(tensor)
+
+
 def build_pythia_model(
     name: str, config: GPTNeoXConfig | None = None, device: str | torch.device | None = None,
     zero_init: bool | None = None,

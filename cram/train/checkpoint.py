@@ -38,6 +38,11 @@ STOP_RECORD = "last-stop.json"
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
 
 
+def state_folder_name(step: int) -> str:
+    """The folder of the training state at `step` in a run's checkpoints/."""
+    return f"step-{step:08d}"
+
+
 def _replace_atomically(staging: Path, directory: Path) -> None:
     if directory.exists():
         retired = directory.with_name(directory.name + ".old")
@@ -170,7 +175,7 @@ class Checkpointer:
 
     def save_state(self, state: TrainState) -> Path:
         """Write a checkpoint of `state`; every process must call this (sharded states are saved collectively)."""
-        target = self.directory / f"step-{state.optimizer_steps:08d}"
+        target = self.directory / state_folder_name(state.optimizer_steps)
         staging = target.with_name(target.name + ".tmp")
         started = time.monotonic()
         if self.accelerator.is_main_process:

@@ -153,3 +153,28 @@ def hysteresis_scaler_like(
     """A scaler of `built`'s kind and device (FSDP1's sharded one, or torch's) that follows DeepSpeed's rules."""
     return scaler_like(built, HysteresisLossScaling, HysteresisGradScaler, init_scale=init_scale,
                        growth_interval=window, hysteresis=hysteresis, min_scale=min_scale)
+
+
+def restore_loss_scale(accelerator: Accelerator, optimizer: object, saved: dict) -> None:
+    """Give the run's fp16 loss scaler a saved dynamic scaler's numbers (DeepSpeed's `DynamicLossScaler` fields, as a
+    GPT-NeoX checkpoint keeps them): the scale, and the iteration, last overflow and hysteresis left where saved.
+    A run not in fp16, or a saved scaler that was not dynamic, keeps its own."""
+    if not saved.get("dynamic"):
+        return
+    engine_optimizer = getattr(optimizer, "optimizer", None)  # Accelerate's wrapper around DeepSpeed's
+    scaler = getattr(engine_optimizer, "loss_scaler", None)
+    if scaler is not None and getattr(scaler, "dynamic", False):
+        for key in ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis"):
+            if key in saved and hasattr(scaler, key):
+                setattr(scaler, key, saved[key])
+        return
+    scaler = accelerator.scaler
+    if scaler is None or not scaler.is_enabled():
+        return
+    state = scaler.state_dict()
+    state["scale"] = float(saved["cur_scale"])
+    for theirs, ours in (("cur_iter", "iteration"), ("last_overflow_iter", "last_overflow_iteration"),
+                         ("cur_hysteresis", "hysteresis_left")):
+        if theirs in saved and ours in state:
+            state[ours] = saved[theirs]
+    scaler.load_state_dict(state)

@@ -73,6 +73,16 @@ def revisions_disk_line(steps: Sequence[int], parameters: int, dtype: torch.dtyp
     return line
 
 
+def training_states_line(steps: Sequence[int], parameters: int) -> str:
+    """What pushing the training states beside the revisions costs, said before the run starts: at least the fp32
+    weights and Adam's two moments, 12 bytes per weight, per state (a DeepSpeed state adds the model's copy)."""
+    each = 12 * parameters
+    return (f"training states: pushed beside {len(steps)} revision{'s' if len(steps) != 1 else ''} as "
+            f"training_state/, at least {size_text(each)} each (fp32 weights and Adam's two moments), "
+            f"{size_text(each * len(steps))} in all on the Hub; each is saved at its step and counts among "
+            "--keep-checkpoints")
+
+
 def size_text(count: int) -> str:
     """Bytes in the largest binary unit that keeps them at least 1 (GiB, MiB, KiB)."""
     for scale, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
@@ -92,7 +102,7 @@ class RevisionSaver:
     def __init__(
         self, accelerator: Accelerator, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
         options: Callable[[], dict], directory: Path, steps: Sequence[int],
-        publish: Callable[[TrainState, Path, str], None] | None = None, resumed_at: int | None = None,
+        publish: Callable[[TrainState, Path, str, Path | None], None] | None = None, resumed_at: int | None = None,
     ):
         self.accelerator = accelerator
         self.model = model
@@ -106,13 +116,19 @@ class RevisionSaver:
     def due(self, state: TrainState) -> bool:
         return state.optimizer_steps in self.steps and state.optimizer_steps not in self.saved
 
-    def save(self, state: TrainState) -> Path:
+    def save(self, state: TrainState, training_state: Path | None = None) -> Path:
+        """Export the model at this step, and publish it with `training_state` (the step's saved state, where one
+        travels with the revision)."""
         name = revision_name(state.optimizer_steps)
         target = self.directory / name
-        export_model(self.accelerator, self.model, self.tokenizer, self.options(), target)
+        # The step, fp16-skipped steps and data position beside the model: a run continued from this revision
+        # (`cram.train.continuation`) takes its schedule and data from them.
+        progress = {"optimizer_steps": state.optimizer_steps, "skipped_steps": state.skipped_steps,
+                    "sequences": state.sequences, "tokens": state.tokens}
+        export_model(self.accelerator, self.model, self.tokenizer, {**self.options(), "progress": progress}, target)
         self.saved.add(state.optimizer_steps)
         if self.publish is not None:
-            self.publish(state, target, name)
+            self.publish(state, target, name, training_state)
         return target
 
 
@@ -133,20 +149,25 @@ def linked_copy(source: Path, target: Path) -> Path:
 
 class ScheduledCheckpointer(Checkpointer):
     """A `Checkpointer` that also exports the model at the steps of `revisions` (Pythia's 154 released checkpoints);
-    at those steps the training state is saved only where its own interval, or `states_at`, makes it due."""
+    at those steps the training state is saved only where its own interval, or `states_at`, makes it due. With
+    `states_with_revisions`, a state is saved at every revision step after 0 too, and published with it."""
 
-    def __init__(self, revisions: RevisionSaver | None, *args, states_at: Collection[int] = (), **kwargs):
+    def __init__(self, revisions: RevisionSaver | None, *args, states_at: Collection[int] = (),
+                 states_with_revisions: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.revisions = revisions
         self.states_at = frozenset(states_at)
+        self.states_with_revisions = states_with_revisions
         self._state_due = False
 
     def due(self, state: TrainState, time_due: bool) -> bool:
-        listed = state.optimizer_steps in self.states_at and state.optimizer_steps != self.last_saved_step
-        self._state_due = listed or super().due(state, time_due)
-        return self._state_due or (self.revisions is not None and self.revisions.due(state))
+        revision_due = self.revisions is not None and self.revisions.due(state)
+        listed = state.optimizer_steps in self.states_at or (self.states_with_revisions and revision_due)
+        self._state_due = (listed and state.optimizer_steps != self.last_saved_step) or super().due(state, time_due)
+        return self._state_due or revision_due
 
     def save(self, state: TrainState) -> Path | None:
+        saved = self.save_state(state) if self._state_due else None
         if self.revisions is not None and self.revisions.due(state):
-            self.revisions.save(state)
-        return self.save_state(state) if self._state_due else None
+            self.revisions.save(state, saved if self.states_with_revisions else None)
+        return saved

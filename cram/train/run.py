@@ -31,8 +31,15 @@ from cram.train.checkpoint import (
     read_record,
 )
 from cram.train.compilation import compile_reason, is_compiled
+from cram.train.continuation import (
+    TRAINING_STATE_FOLDER,
+    fetch_training_state,
+    training_state_in,
+    training_state_ready,
+)
 from cram.train.curves import CheckpointCurves, write_training_curves
 from cram.train.layout import (
+    DEEPSPEED_TAG,
     UNIVERSAL_FOLDER,
     BatchSplit,
     Layout,
@@ -47,6 +54,7 @@ from cram.train.layout import (
     use_universal_checkpoint,
 )
 from cram.train.loop import train
+from cram.train.loss_scaling import restore_loss_scale
 from cram.train.optim import optimizer_state_bytes
 from cram.train.precision import Precision
 from cram.train.preemption import Preemption
@@ -57,6 +65,8 @@ from cram.train.revisions import (
     ScheduledCheckpointer,
     linked_copy,
     revisions_disk_line,
+    size_text,
+    training_states_line,
 )
 from cram.train.run_options import RunOptions, default_num_workers
 from cram.train.state import TrainState
@@ -90,9 +100,12 @@ class RecipeRun:
         session.train(batches, clock, tokenizer=..., card=..., peak_lr=..., ...)
     """
 
-    def __init__(self, project: str, options: RunOptions, precision: Precision | None = None):
+    def __init__(self, project: str, options: RunOptions, precision: Precision | None = None,
+                 continue_from: str | None = None):
         """`precision`: the choice a recipe resolved from its own option (Pythia's `released`); unset means
-        `options.precision`."""
+        `options.precision`. `continue_from`: a kept model the run goes on from (Pythia's --continue-from), which
+        it resumes from as a saved state where the revision keeps its step's training state and the run has none
+        of its own yet."""
         self.project = project
         self.options = options
         self.output_dir = Path(options.output_dir)
@@ -102,12 +115,8 @@ class RecipeRun:
             str(self.output_dir), options.collective_timeout_minutes,
         )
         self.device_type = self.accelerator.device.type
+        self.continued_at: int | None = None  # the step a fresh run went on from (`start`'s `continued`)
         self.use_compile = is_compiled(self.accelerator)
-        self.resume_from = find_checkpoint(options.resume, self.output_dir / "checkpoints")
-        self.layout = current_layout(self.accelerator)
-        # What the checkpoint to resume from records: its facts and the layout that wrote it.
-        self.saved = read_record(self.resume_from) if self.resume_from is not None else None
-        self.saved_layout: Layout | None = saved_layout(self.saved) if self.saved is not None else None
         if options.resume == "none" and complete_checkpoints(self.output_dir / "checkpoints"):
             raise UserError(
                 f"{self.output_dir} already holds checkpoints of a run: continue it with --resume auto, "
@@ -119,6 +128,37 @@ class RecipeRun:
                 f"{self.output_dir} already holds a finished model (final/): start a new run in another --output-dir, "
                 "or delete that folder first."
             )
+        self.resume_from = self._checkpoint_to_resume(continue_from)
+        self.layout = current_layout(self.accelerator)
+        # What the checkpoint to resume from records: its facts and the layout that wrote it.
+        self.saved = read_record(self.resume_from) if self.resume_from is not None else None
+        self.saved_layout: Layout | None = saved_layout(self.saved) if self.saved is not None else None
+
+    def _checkpoint_to_resume(self, continue_from: str | None) -> Path | None:
+        """The state --resume names (a Hub revision NAME@stepN's pushed training state, downloaded into the run's
+        checkpoints/); else, where the run has none of its own, the training state kept with `continue_from`."""
+        checkpoints = self.output_dir / "checkpoints"
+        resume = self.options.resume
+        if resume not in ("none", "auto") and "@" in resume:
+            if not training_state_in(resume):
+                raise UserError(f"{resume} keeps no training state (the model alone): continue from it with "
+                                "--continue-from, or push runs' states with --push-training-states.")
+            return self._fetch_training_state(resume, checkpoints)
+        found = find_checkpoint(resume, checkpoints)
+        if found is None and continue_from is not None and training_state_in(continue_from):
+            found = self._fetch_training_state(continue_from, checkpoints)
+        return found
+
+    def resume_from_state(self, checkpoint: Path) -> None:
+        """Resume from `checkpoint`, a training state written for this run (`cram.train.continuation`'s of a GPT-NeoX
+        checkpoint), as if --resume had named it."""
+        self.resume_from = checkpoint
+        self.saved = read_record(checkpoint)
+        self.saved_layout = saved_layout(self.saved)
+
+    def _fetch_training_state(self, revision: str, checkpoints: Path) -> Path:
+        return local_main_first(self.accelerator, lambda: fetch_training_state(revision, checkpoints),
+                                ready=lambda: training_state_ready(revision, checkpoints))
 
     @property
     def is_main_process(self) -> bool:
@@ -141,17 +181,22 @@ class RecipeRun:
 
     def start(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, training: object, *, facts: dict,
-        resolved: dict,
+        resolved: dict, continued: TrainState | None = None,
     ) -> RunSession:
         """Refuse a checkpoint that another run wrote (`facts`: what a resumed run must share with the saved one),
         hand model and optimizer to Accelerate (which compiles the model when asked), restore the saved state when
         resuming, and start the tracker with the resolved options (`resolved`: the recipe's own, beside the run's),
-        which are saved beside every exported model."""
+        which are saved beside every exported model.
+
+        `continued`: a fresh run's starting state where it goes on from a kept model at step N (its step, data
+        position and schedule; `cram.train.continuation`), the model given with that step's weights."""
         states = None  # the saved state in the form this launch loads, where it is not the checkpoint's own
         if self.resume_from is not None:
             check_same_run(self.saved["run"], facts, self.resume_from)
             check_state_format(self.saved_layout, self.layout, self.resume_from)
-            if needs_universal(self.saved_layout, self.layout):
+            # A state written in the universal form alone (a converted GPT-NeoX checkpoint) loads only from it.
+            if needs_universal(self.saved_layout, self.layout) or (
+                    self.layout.state_format == "deepspeed" and not (self.resume_from / DEEPSPEED_TAG).is_dir()):
                 check_universal_supported(self.saved_layout, self.layout)
                 checkpoint = self.resume_from
                 states = local_main_first(self.accelerator, lambda: universal_checkpoint(checkpoint),
@@ -159,6 +204,9 @@ class RecipeRun:
                 use_universal_checkpoint(self.accelerator)
         model, optimizer = self.accelerator.prepare(model, optimizer)
         state = TrainState()
+        if continued is not None and self.resume_from is None:
+            state = continued
+            self.continued_at = continued.optimizer_steps
         if self.resume_from is not None:
             # The options are the saved run's (`check_same_run`); DeepSpeed's ZeRO-3 gives every param group the
             # first one's hyperparameters when it loads a universal state (stage3.py: "we can obtain from any
@@ -170,6 +218,8 @@ class RecipeRun:
                 for group, own in zip(optimizer.param_groups, hyperparameters, strict=True):
                     group.update(own)
                 unshare_step_counts(optimizer)
+            if self.saved.get("loss_scale"):  # a converted GPT-NeoX state's fp16 loss scaler
+                restore_loss_scale(self.accelerator, optimizer, self.saved["loss_scale"])
             if self.is_main_process:
                 moved = "" if self.saved_layout == self.layout else \
                     f", saved on {self.saved_layout.describe()}, resumed on {self.layout.describe()}"
@@ -191,6 +241,8 @@ class RecipeRun:
                 "device": device_name(accelerator.device),
                 "parameters": parameters,
                 "parameters_held_by_rank0": parameters_held,
+                # Where a continued run went on from (its revision and step): checks judge it after that step.
+                "continued_from": state.continued_from,
             },
         }
         # A resumed run keeps logging to the same wandb run (the id is saved in every checkpoint).
@@ -244,7 +296,7 @@ class RunSession:
         self, batches: Iterator[dict], clock: WallClock, *, tokenizer: PreTrainedTokenizerBase, card: dict,
         peak_lr: float, lr_shape: Callable[[float], float], accumulation_at: Callable[[Pace], int],
         max_grad_norm: float, flops_per_token: float, blocks: int, load_hint: str,
-        revisions_at: Collection[int] | None = None, states_at: Collection[int] = (),
+        revisions_at: Collection[int] | None = None, states_at: Collection[int] = (), push_states: bool = False,
     ) -> None:
         """`cram.train.loop.train` with this run's accelerator, logging interval, checkpoints and stop signal, then
         the end of the run: stopped by a signal, the state saved; else the model exported with its summary, curves
@@ -254,8 +306,10 @@ class RunSession:
         plot where the last was drawn minutes ago (`CheckpointCurves`). Without `revisions_at`, --push-checkpoints
         pushes each state's model to the Hub revision named for its folder; with it, the model is exported at those
         steps to OUTPUT_DIR/revisions/stepN (step 0: before training, in a fresh run), and --push-checkpoints pushes
-        those as the revisions stepN, as the released Pythia models have them."""
-        checkpointer = self._start_checkpoints(tokenizer, card, revisions_at, states_at)
+        those as the revisions stepN, as the released Pythia models have them; with `push_states` too, each with
+        the training state of its step (saved there for it) in the revision's `training_state/`, which
+        `--continue-from` and `--resume` take from the Hub (`cram.train.continuation`)."""
+        checkpointer = self._start_checkpoints(tokenizer, card, revisions_at, states_at, push_states)
         finished = train(
             self.model, self.optimizer, batches, self.accelerator, clock, self.state, peak_lr=peak_lr,
             lr_shape=lr_shape, accumulation_at=accumulation_at, max_grad_norm=max_grad_norm,
@@ -267,11 +321,12 @@ class RunSession:
 
     def _start_checkpoints(
         self, tokenizer: PreTrainedTokenizerBase, card: dict, revisions_at: Collection[int] | None,
-        states_at: Collection[int],
+        states_at: Collection[int], push_states: bool = False,
     ) -> Checkpointer:
         """The checkpointer `train` describes; installs the preemption handler."""
         options, state, model = self.options, self.state, self.model
-        resumed_at = state.optimizer_steps if self.run.resume_from else None
+        # A run goes on from a saved state, or from a kept model: that step's revision and state are not written.
+        resumed_at = state.optimizer_steps if self.run.resume_from else self.run.continued_at
         if options.push_checkpoints:
             self.pusher = BackgroundPusher(options.push_to_hub, private=not options.hub_public)
 
@@ -294,8 +349,11 @@ class RunSession:
                 dtype = next(self.accelerator.unwrap_model(model).parameters()).dtype
                 print(revisions_disk_line(sorted(revisions.steps - revisions.saved), self.parameters, dtype,
                                           revisions.directory))
+                if push_states:
+                    print(training_states_line(sorted(revisions.steps - revisions.saved - {0}), self.parameters))
         checkpointer = ScheduledCheckpointer(
             revisions, self.accelerator, self.output_dir / "checkpoints", self.facts, states_at=states_at,
+            states_with_revisions=push_states and options.push_checkpoints,
             every_steps=options.checkpoint_every,
             every_seconds=options.checkpoint_every_minutes * 60,
             keep=options.keep_checkpoints,
@@ -319,14 +377,20 @@ class RunSession:
         write_model_card(exported, self.card(state, **card))
         self.pusher.submit(exported, revision=revision)
 
-    def _push_revision(self, card: dict) -> Callable[[TrainState, Path, str], None]:
+    def _push_revision(self, card: dict) -> Callable[[TrainState, Path, str, Path | None], None]:
         """What a `RevisionSaver` calls after each export: push a linked copy of it (the pusher deletes what it
-        pushed; the revision stays on disk) with its model card to the Hub revision of its name, from rank 0."""
+        pushed; the revision stays on disk, the training state until the checkpoints' pruning) with its model card,
+        and the step's training state where given, to the Hub revision of its name, from rank 0."""
 
-        def publish(state: TrainState, exported: Path, revision: str) -> None:
+        def publish(state: TrainState, exported: Path, revision: str, training_state: Path | None) -> None:
             if not self.is_main_process:
                 return
             upload = linked_copy(exported, self.output_dir / "hub-uploads" / revision)
+            if training_state is not None:
+                copied = linked_copy(training_state, upload / TRAINING_STATE_FOLDER)
+                size = sum(path.stat().st_size for path in copied.rglob("*") if path.is_file())
+                print(f"training state of step {state.optimizer_steps}: {size_text(size)}, pushed beside revision "
+                      f"{revision} as {TRAINING_STATE_FOLDER}/")
             write_model_card(upload, self.card(state, **card))
             self.pusher.submit(upload, revision=revision)
 

@@ -34,7 +34,8 @@ class RunOptions:
     checkpoint_every_minutes: float = option(30.0, "save a resumable training state every N minutes (0: off)")
     keep_checkpoints: int = option(2, "how many training states to keep (the newest)")
     resume: str = option(
-        "none", "auto (the newest complete state in OUTPUT_DIR/checkpoints, if any), a step-N folder, or none")
+        "none", "auto (the newest complete state in OUTPUT_DIR/checkpoints, if any), a step-N folder, a Hub "
+                "revision NAME@stepN that keeps its training state (downloaded into OUTPUT_DIR/checkpoints), or none")
     push_to_hub: str | None = option(
         None, "ORG/NAME: push the final model, tokenizer, options and a model card to the Hugging Face Hub")
     hub_public: bool = option(False, "make the Hub repository public (private by default)")

@@ -23,6 +23,8 @@ class TrainState:
     # compilation (`cram.train.loop.Meter`): the steady throughput the summary reports, as the log rows measure it.
     steady_tokens: int = 0
     steady_seconds: float = 0.0
+    # Where a run continued from a kept model (`cram.train.continuation`), and what it could not carry over.
+    continued_from: dict | None = None
 
     @property
     def tokens_per_second(self) -> float | None:

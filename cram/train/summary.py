@@ -36,6 +36,7 @@ def write_summary(
         "parameters_held_by_rank0": parameters_held,
         "optimizer_state_bytes_held_by_rank0": optimizer_state,
         "resumed_from": str(resume_from) if resume_from else None,
+        "continued_from": state.continued_from,
         "checkpoint": str(checkpoint),
         "history": state.history,
     }
