@@ -4,7 +4,8 @@ hangs is recorded and the next row runs, no pip is called, and a run killed (SIG
 every finished row on disk; with everything installed, every row beside the original cramming code (from
 ../shared/anchors when this checkout has it). In-process: dynamo's counts label a compiled step, the MFU against both
 peaks, the levers' arithmetic (LayerNorm in the autocast dtype, Pythia's loss chunks, the loaders' masked count),
-every contender built from a config of its own, the original's compile options on the CPU, each row's own FLOPs."""
+every contender built from a config of its own, the original's compile options on the CPU, each row's own FLOPs, the
+planner probe row's request and fields."""
 
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ from launching import run, started, wait_until
 
 import cram
 import cram.models.chunked_loss as chunked_loss
-from cram.bench.device_check import OUTPUT_FILES, installed_versions, main, render_markdown, with_mfu
+import cram.plan.probe
+from cram.bench.device_check import OUTPUT_FILES, installed_versions, main, planner_probe, render_markdown, with_mfu
 from cram.bench.measure import DynamoWatch, Row, ran_as
 from cram.bench.original_cramming import ORIGINAL_COMPILE_OPTIONS, build_original
-from cram.bench.recipe_steps import AutocastDtypeLayerNorm, norms_in_autocast_dtype
+from cram.bench.recipe_steps import AutocastDtypeLayerNorm, SyntheticBlocks, norms_in_autocast_dtype
 from cram.bench.report_steps import (
     HF_GPT_NEOX,
     LossInAutocastDtype,
@@ -38,6 +40,7 @@ from cram.bench.report_steps import (
     readymade_batches,
     shape_for,
 )
+from cram.data.collator import MaskedLMCollator
 from cram.models.gpt_neox_training import CAUSAL_SDPA
 from cram.train.throughput import bert_flops_per_token, crammed_bert_flops_per_token
 
@@ -404,3 +407,16 @@ def test_cram_run_from_a_source_tree_reports_its_version_and_tree_installed_or_n
     versions = installed_versions()
     assert versions["cram"] == f"{cram.__version__} (from the source tree {REPO})"
     assert versions["torch"] is None  # what pip does not know is still "not installed"
+
+
+def test_the_planners_probe_row_gives_the_probes_step_time_and_save(monkeypatch, tmp_path):
+    # The probe itself, in this process, on synthetic blocks standing in for the embedded set it would prepare (the
+    # planner's tests prepare it): the row's request is one the probe takes, and its result becomes the row's fields.
+    monkeypatch.setenv("CRAM_CACHE", str(tmp_path))
+    monkeypatch.setattr(cram.plan.probe.CandidateRun, "_data", lambda run, cache_dir: (
+        SyntheticBlocks(64, run.seq_len, run.config.vocab_size),
+        MaskedLMCollator(4, run.config.vocab_size, range(5), run.config.sparse_prediction)))
+    fields = planner_probe("crammed-bert-tiny", 4, warmup=1, timed=2, compiled=False)
+    assert fields["tokens_per_second"] == pytest.approx(16 * 128 / fields["seconds_per_step"])
+    assert fields["ran_as"] == "eager" and fields["flops_per_token"] > 0
+    assert fields["note"].startswith("crammed-bert-tiny, micro-batch 4, 4 a step; one save ")

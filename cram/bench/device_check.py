@@ -190,16 +190,16 @@ def matmul_peak(size: int | None, products: int = 10) -> dict:
     return {"measured bf16 TFLOP/s": 2 * size**3 * products / seconds / 1e12, "size": size, "products": products}
 
 
-def planner_probe(model: str, micro_batch: int, warmup: int, timed: int) -> dict:
+def planner_probe(model: str, micro_batch: int, warmup: int, timed: int, compiled: bool) -> dict:
     """One probe of the planner, as `recipes/plan.py` launches it: the recipes' loop timed on the embedded corpus at
-    `micro_batch`, one training-state save timed after it."""
+    `micro_batch`, compiled as the check's other rows are, one training-state save timed after it."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="cram-device-check-probe-") as folder:
-        return probe_in(Path(folder), model, micro_batch, warmup, timed)
+        return probe_in(Path(folder), model, micro_batch, warmup, timed, compiled)
 
 
-def probe_in(folder: Path, model: str, micro_batch: int, warmup: int, timed: int) -> dict:
+def probe_in(folder: Path, model: str, micro_batch: int, warmup: int, timed: int, compiled: bool) -> dict:
     import torch
 
     from cram.plan.models import recipe_for
@@ -215,7 +215,7 @@ def probe_in(folder: Path, model: str, micro_batch: int, warmup: int, timed: int
     # A GPU's limit is its memory; on the CPU the probe needs one, which a toy step stays far below.
     limit = None if torch.cuda.is_available() else 8 * 2**30
     request = probe_request(setting, ProbeCandidate(), folder / "probe.json", mode="time", micro_batch=micro_batch,
-                            memory_limit_bytes=limit, timed_steps=timed)
+                            memory_limit_bytes=limit, timed_steps=timed, compile="true" if compiled else "false")
     watch = DynamoWatch()
     accelerator = build_accelerator(request["precision"], request["compile"], None, str(folder))
     result = run_request(request, accelerator)
@@ -224,7 +224,8 @@ def probe_in(folder: Path, model: str, micro_batch: int, warmup: int, timed: int
             "ran_as": ran_as(watch.since_start()),
             "peak_memory_gib": result["peak_memory_bytes"] / 2**30 if result["peak_memory_bytes"] else None,
             "flops_per_token": result["flops_per_token"], "save_seconds": result["save_seconds"],
-            "note": f"{model}, micro-batch {micro_batch}, {result['accumulation']} a step, compile {result['compile']}"}
+            "note": f"{model}, micro-batch {micro_batch}, {result['accumulation']} a step; one save "
+                    f"{result['save_seconds']:.1f} s"}
 
 
 # The rows and the run.
@@ -242,7 +243,7 @@ def measured_rows(shape: Shape, setting: Setting, shape_name: str) -> list[Row]:
     probe_model, probe_micro = ("crammed-bert", 128) if shape_name == "full" else ("crammed-bert-tiny", 4)
     probe = Row(f"the planner's probe ({probe_model}, micro-batch {probe_micro})", "planner",
                 "compiled" if setting.compiled else "eager",
-                lambda: planner_probe(probe_model, probe_micro, shape.rounds.warmup, 3),
+                lambda: planner_probe(probe_model, probe_micro, shape.rounds.warmup, 3, setting.compiled),
                 unavailable="the planner's probe prepares the embedded corpus with datasets, which is not installed: "
                             "carry its wheels (docs/benchmarks.md: Carrying wheels)" if missing("datasets") else None)
     return [*recipe_rows(shape, setting),
