@@ -192,9 +192,10 @@ def test_with_everything_installed_every_row_runs_beside_the_original_code(tmp_p
             archive.extractall(tmp_path / "anchor", filter="data")
         options += ["--original", str(tmp_path / "anchor" / "cramming")]
     extensions = tmp_path / "torch-extensions"  # where DeepSpeed would build an op
-    output = tmp_path / "out"
+    output, temporary = tmp_path / "out", tmp_path / "tmp"
+    temporary.mkdir()
     completed = run([sys.executable, "-m", "cram.bench.device_check", "--output-dir", output, *options], cwd=REPO,
-                    env={**recipe_env, "TORCH_EXTENSIONS_DIR": str(extensions)})
+                    env={**recipe_env, "TORCH_EXTENSIONS_DIR": str(extensions), "TMPDIR": str(temporary)})
     assert completed.returncode == 0, completed.stderr[-3000:]
     data, rows = json.loads((output / OUTPUT_FILES[0]).read_text()), rows_of(output)
     assert data["shape"] == "toy" and data["environment"]["versions"]["cram"].startswith(cram.__version__)
@@ -226,6 +227,8 @@ def test_with_everything_installed_every_row_runs_beside_the_original_code(tmp_p
     assert data["ratios"]["recipe: crammed BERT compiled / eager"] is None  # nothing compiles on the CPU
     # The ZeRO-1 step on the CPU builds nothing: DeepSpeed's shared-memory all-reduce (inference only) is skipped.
     assert not list(extensions.glob("**/*shm*")), sorted(extensions.rglob("*"))
+    # What the rows' processes wrote to their temporary folders (the loaders' shards) is gone with them.
+    assert not [path for path in temporary.iterdir() if not path.name.startswith("torchinductor_")]
 
 
 def test_a_bound_of_no_time_is_refused_in_one_sentence(capsys):

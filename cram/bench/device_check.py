@@ -33,6 +33,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -193,8 +194,6 @@ def matmul_peak(size: int | None, products: int = 10) -> dict:
 def planner_probe(model: str, micro_batch: int, warmup: int, timed: int, compiled: bool) -> dict:
     """One probe of the planner, as `recipes/plan.py` launches it: the recipes' loop timed on the embedded corpus at
     `micro_batch`, compiled as the check's other rows are, one training-state save timed after it."""
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="cram-device-check-probe-") as folder:
         return probe_in(Path(folder), model, micro_batch, warmup, timed, compiled)
 

@@ -391,15 +391,17 @@ def candidates(shape: Shape, setting: Setting) -> list[Candidate]:
             return f"{pip_name} runs Triton kernels, which need a GPU"
         return None
 
-    loader_folder: list[tempfile.TemporaryDirectory] = []
+    no_loader = (f"the readymade loader needs {' and '.join(missing('datasets', 'pyarrow'))}: pip install datasets"
+                 if missing("datasets", "pyarrow") else None)
+    # The shards both loader rows read, written by the first: made here, in the check's own process, so that they
+    # are removed when it ends (a row's process leaves by os._exit, which removes nothing).
+    shards = tempfile.TemporaryDirectory(prefix="cram-device-check-") if no_loader is None else None
 
     def loader_batches(workers: int) -> Callable[[], Callable[[], dict]]:
         def make() -> Callable[[], dict]:
-            if not loader_folder:  # the row's shards, removed when its process ends
-                loader_folder.append(tempfile.TemporaryDirectory(prefix="cram-device-check-"))
             steps = shape.rounds.warmup + shape.rounds.rounds * shape.rounds.steps_per_round + 8
             return readymade_batches(bert.vocab_size, shape.bert_batch, bert.max_position_embeddings, steps, workers,
-                                     device, Path(loader_folder[0].name))
+                                     device, Path(shards.name))
         return make
 
     bert_rows, pythia_rows = [], []
@@ -424,8 +426,6 @@ def candidates(shape: Shape, setting: Setting) -> list[Candidate]:
                                              ("compiled with the original's options", ORIGINAL_COMPILE_OPTIONS))]
     recipes_compile = {} if setting.compiled else None  # the levers change the step the recipes run here
     mode = setting.mode
-    no_loader = (f"the readymade loader needs {' and '.join(missing('datasets', 'pyarrow'))}: pip install datasets"
-                 if missing("datasets", "pyarrow") else None)
     levers = [
         row("crammed BERT, compiled max-autotune", bert_shape, models["crammed BERT"], MAX_AUTOTUNE,
             fixed(bert_batch), precision, bert_tokens, crammed_flops, autotunes=True),
