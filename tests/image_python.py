@@ -6,6 +6,7 @@ the device check's recipe rows (`with_faults`), then `python -m MODULE ...`.
 The device check forks its rows from this process, so the forks inherit all of it."""
 
 import os
+import resource
 import runpy
 import signal
 import sys
@@ -25,6 +26,7 @@ def fault(what: str) -> None:
     if what == "raise":
         raise RuntimeError("a compiler error\nat line 2")
     if what == "crash":
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a segfault, without a core file in the repository
         os.kill(os.getpid(), signal.SIGSEGV)
     if what == "hang":
         time.sleep(3600)

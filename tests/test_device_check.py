@@ -94,7 +94,7 @@ def test_make_device_check_on_the_image_stack_records_each_failure_and_ends_with
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert took < bound_minutes * 60 + 60, took  # the bound, plus a minute for its start and the writing
     data = json.loads((output / OUTPUT_FILES[0]).read_text())
-    assert data["finished"] and data["running"] is None and data["minutes spent"] <= bound_minutes + 0.02
+    assert data["finished"] and data["running"] is None and data["minutes spent"] <= bound_minutes + 0.1
     assert (output / OUTPUT_FILES[1]).read_text() in completed.stdout
     rows = rows_of(output)
     facts = rows["environment: versions, devices, the auto choices"]
@@ -144,12 +144,14 @@ def stopped_run(tmp_path: Path, recipe_env: dict, number: int) -> tuple[dict, di
     output = tmp_path / "out"
     command = [image_python(tmp_path), "-m", "cram.bench.device_check", "--output-dir", output, "--max-minutes", "5"]
     with started(command, env=image_env(recipe_env, tmp_path, "norms:hang"), fresh=True) as check:
-        def hung_row_running() -> bool:
+        def hung_row_running() -> bool:  # in both files: the markdown is written after the JSON
             try:
                 running = json.loads((output / OUTPUT_FILES[0]).read_text())["running"]
+                markdown = (output / OUTPUT_FILES[1]).read_text()
             except (OSError, json.JSONDecodeError):
                 return False
-            return bool(running and "LayerNorm" in running["row"] and running["pid"])
+            return bool(running and "LayerNorm" in running["row"] and running["pid"]
+                        and f"**Running:** {running['row']}" in markdown)
 
         wait_until(hung_row_running, check, seconds=240, what="the LayerNorm row's start")
         row_pid = json.loads((output / OUTPUT_FILES[0]).read_text())["running"]["pid"]
