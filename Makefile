@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 OPS    := $(VENV)/.ops-built
 
-.PHONY: setup demo test test-fast lint bench bench-data data cram-1gpu clean plan bench-plan gpu-report
+.PHONY: setup demo test test-fast lint bench bench-data data cram-1gpu clean plan bench-plan gpu-report device-check
 
 setup: $(STAMP) $(OPS)
 
@@ -83,12 +83,20 @@ lint: setup
 bench: setup
 	$(BIN)/python -m cram.bench.train_step
 
-# The check for a new GPU machine: versions, GPUs, auto choices, training steps side by side with the ratios;
-# runs/gpu-report/gpu_report.{md,json}. ORIGINAL=PATH: a checkout of the original cramming code to time beside them;
-# MAX_MINUTES: the bound on the report's time (rows that would pass it are skipped, each with its reason).
+# The check to run first on a GPU machine (cram/bench/device_check.py): versions, the GPU, a measured matmul peak, the
+# recipes' steps and their levers, the contenders, a planner probe, each row in a process of its own, both files
+# written after every row: OUT/device_check.{json,md}. It runs with PYTHON as it is, nothing set up or installed
+# (a GPU image's python3). MAX_MINUTES: the bound on its whole time (default 8, for a 10-minute command);
+# ORIGINAL=PATH: a checkout of the original cramming code to time beside crammed BERT; ROWS: only the rows whose name
+# holds one of these texts, separated by |. `make gpu-report` is the same check in the set-up .venv.
+OUT ?= runs/device-check
+device_check = $(1) -m cram.bench.device_check --output-dir "$(2)" $(if $(MAX_MINUTES),--max-minutes $(MAX_MINUTES)) \
+	$(if $(ORIGINAL),--original "$(ORIGINAL)") $(if $(ROWS),--rows "$(ROWS)")
+device-check:
+	$(call device_check,$(PYTHON),$(OUT))
+
 gpu-report: setup
-	$(BIN)/python -m cram.bench.gpu_report --output-dir runs/gpu-report $(if $(ORIGINAL),--original "$(ORIGINAL)") \
-		$(if $(MAX_MINUTES),--max-minutes $(MAX_MINUTES))
+	$(call device_check,$(BIN)/python,runs/gpu-report)
 
 data: setup
 	$(BIN)/python recipes/prepare_data.py embedded --output-dir runs/data

@@ -36,7 +36,8 @@ sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Pa
 from accelerate.utils import set_seed
 
 from cram.cli import OptionParser, option, parse_strictly, summary
-from cram.data.causal import causal_data_ready, causal_lm_batch, first_batch_fingerprint, load_causal_data
+from cram.data.causal import causal_data_ready, first_batch_fingerprint, load_causal_data
+from cram.data.collator import causal_lm_batch
 from cram.data.megatron import recorded_data_seed, recorded_deduplication
 from cram.data.sampling import stream_loader
 from cram.errors import UserError, run_cli

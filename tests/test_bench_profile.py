@@ -1,5 +1,7 @@
 """`make bench`'s profile table and its `--original` check."""
 
+import re
+
 import pytest
 import torch
 
@@ -34,3 +36,14 @@ def test_the_bench_times_bf16_on_the_cpu_only_where_it_has_bf16_units(monkeypatc
     precisions = train_step.default_precisions(torch.device("cpu"))
     assert precisions == (["fp32", "bf16"] if has_units else ["fp32"])
     assert ("bf16 left out" in capsys.readouterr().out) is not has_units
+
+
+def test_the_bench_runs_whole_steps_of_both_models_at_a_small_shape(capsys):
+    # cram's collator gives each batch its masked count as a plain int beside the tensors: the step moves the tensors
+    # to the device and hands the count on, so crammed BERT predicts the masked positions only.
+    train_step.main(["--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "256", "--seq-len", "16",
+                     "--batch", "2", "--warmup", "1", "--steps", "1", "--precision", "fp32", "--profile-ops", "1"])
+    table = capsys.readouterr().out
+    for model in ("crammed BERT", "HF BertForMaskedLM"):
+        assert re.search(rf"^\| fp32 \| {model} \| [\d.]+ ± [\d.]+ \| [\d,]+ \| [\d.]+x \|$", table, re.M), table
+    assert "Top operators of one profiled step" in table

@@ -178,9 +178,9 @@ def test_sigterm_mid_step_abandons_it_saves_the_last_completed_step_and_the_resu
     assert state.sequences == whole.sequences
 
 
-def summary_of(state: TrainState, folder: Path, peak: float | None) -> dict:
+def summary_of(state: TrainState, folder: Path, peak: float | None, compile_mode: str | None = None) -> dict:
     write_summary(state, folder / "final", folder, blocks=64, flops_per_token=1e6, parameters=1, parameters_held=1,
-                  resume_from=None, optimizer_state=0, load_hint="", peak=peak)
+                  resume_from=None, optimizer_state=0, load_hint="", peak=peak, compile_mode=compile_mode)
     return json.loads((folder / "summary.json").read_text())
 
 
@@ -198,8 +198,9 @@ def test_the_summary_s_tokens_per_second_leaves_out_each_session_s_first_step_an
     assert state.optimizer_steps == 6 and state.tokens == 6 * 2 * MICRO_BATCH * 16
     # Steps 2-4 and 6: 8 micro-batches of 1 s; the run's whole time (70 s) would give 11 tokens/s.
     assert (state.steady_tokens, state.steady_seconds) == (4 * 2 * MICRO_BATCH * 16, 8.0)
-    summary = summary_of(state, tmp_path, peak=1e9)
+    summary = summary_of(state, tmp_path, peak=1e9, compile_mode="max-autotune")
     assert summary["tokens_per_second"] == 64.0 == state.history[-1]["tokens_per_second"]  # as the log row says
+    assert summary["compile_mode"] == "max-autotune"  # the choice beside the throughput it gave
     assert summary["mfu"] == pytest.approx(64.0 * 1e6 / 1e9)
     assert summary["seconds"] == 70.0
     assert "64 tokens/s after the first step" in capsys.readouterr().out

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from cram.data.causal import causal_lm_batch, load_causal_data
+from cram.data.causal import load_causal_data
+from cram.data.collator import causal_lm_batch
 from cram.data.tokenizer import train_byte_level_bpe
 from cram.errors import UserError
 

@@ -15,7 +15,7 @@ from cram.eval import causal_lm
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 PRECISION = "--precision {auto,bf16,fp16,fp32}"
-COMPILE = "--compile {auto,true,false}"
+COMPILE = "--compile {auto,true,false,default,reduce-overhead,max-autotune,max-autotune-no-cudagraphs}"
 TRACKER = "--report-to {none,wandb,tensorboard}"
 # recipe -> (options with their choices as --help shows them, a bad choice's arguments, the start of its refusal)
 CHOICES = {

@@ -1,5 +1,6 @@
 """`--compile auto`: compile only where it helps (docs/benchmarks.md: torch.compile on the CPU), and record why in
-the resolved options."""
+the resolved options; `--compile MODE`: torch.compile's modes, handed to the compiler and recorded beside the run's
+throughput."""
 
 import dataclasses
 
@@ -8,7 +9,7 @@ import torch
 
 import cram.train.accelerator
 from cram.errors import UserError
-from cram.train.compilation import compile_reason, resolve_compile
+from cram.train.compilation import COMPILE_MODES, compile_reason, resolve_compile, resolve_compile_mode
 from cram.train.run import RecipeRun
 from cram.train.run_options import RunOptions
 
@@ -33,8 +34,16 @@ def test_an_explicit_choice_wins_and_is_named_as_the_reason(choice):
 
 
 def test_an_unknown_choice_is_refused_in_one_sentence():
-    with pytest.raises(UserError, match="choose one of auto, true, false"):
+    with pytest.raises(UserError, match="choose one of auto, true, false, default, reduce-overhead, max-autotune"):
         compile_reason("yes", "cpu")
+
+
+@pytest.mark.parametrize("choice", COMPILE_MODES)
+def test_a_mode_compiles_in_that_mode_on_any_device(choice):
+    for device_type in ("cpu", "cuda"):
+        assert resolve_compile_mode(choice, device_type) == choice
+        assert compile_reason(choice, device_type) == f"--compile {choice} asked for it"
+    assert resolve_compile_mode("true", "cpu") == "default" and resolve_compile_mode("false", "cuda") is None
 
 
 @dataclasses.dataclass
@@ -48,5 +57,19 @@ def test_the_resolved_options_record_the_choice_and_its_reason(tmp_path, monkeyp
     model = torch.nn.Linear(2, 2)
     session = run.start(model, torch.optim.SGD(model.parameters(), lr=0.1), Training(), facts={}, resolved={})
     resolved = session.resolved["resolved"]
-    assert resolved["compile"] is False
+    assert resolved["compile"] is False and resolved["compile_mode"] is None
     assert resolved["compile_reason"] == compile_reason("auto", "cpu")
+
+
+def test_the_mode_reaches_torch_compile_and_the_resolved_options(tmp_path, monkeypatch):
+    # Accelerate's prepare hands torch.compile the plugin's keywords: the mode asked for is the one compiled in.
+    monkeypatch.setattr(cram.train.accelerator, "launch_device_type", lambda: "cpu")
+    asked: list[dict] = []
+    monkeypatch.setattr(torch, "compile", lambda model, **options: asked.append(options) or model)
+    run = RecipeRun("cram", RunOptions(output_dir=str(tmp_path), precision="fp32", compile="max-autotune"))
+    model = torch.nn.Linear(2, 2)
+    session = run.start(model, torch.optim.SGD(model.parameters(), lr=0.1), Training(), facts={}, resolved={})
+    assert [options["mode"] for options in asked] == ["max-autotune"]
+    resolved = session.resolved["resolved"]
+    assert resolved["compile"] is True and resolved["compile_mode"] == "max-autotune"
+    assert resolved["compile_reason"] == "--compile max-autotune asked for it"

@@ -383,7 +383,7 @@ def test_the_recipe_trains_on_a_set_made_by_prepare_data(compiled_run_on_prepare
 def test_a_compiled_run_saves_a_plain_checkpoint(compiled_run_on_prepared_set):
     output_dir, _, compile_trace = compiled_run_on_prepared_set
     summary = json.loads((output_dir / "summary.json").read_text())
-    assert summary["optimizer_steps"] == 1
+    assert summary["optimizer_steps"] == 1 and summary["compile_mode"] == "default"  # what --compile true means
     # The step ran its forward and backward through inductor's code.
     assert generated_code_per_process(compile_trace) == [2]
     # The saved names are the model's own, so every weight loads (a compiled model's `_orig_mod.` names would leave

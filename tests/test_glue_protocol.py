@@ -31,10 +31,18 @@ from cram.eval.glue_finetune import (
 from cram.eval.glue_report import markdown_report, seed_zero, summarize
 
 
-def evaluation(tmp_path, **options) -> Evaluation:
+def evaluation(tmp_path, compile_mode: str | None = None, **options) -> Evaluation:
     return Evaluation(GlueOptions(**options), GlueRunOptions(output_dir=str(tmp_path)), tokenizer=None,
-                      model_type="crammed_bert", tasks=[], mixed_precision="no", compile=False,
+                      model_type="crammed_bert", tasks=[], mixed_precision="no", compile_mode=compile_mode,
                       model_digest="0123456789abcdef")
+
+
+def test_trainer_compiles_in_the_mode_compile_asks_for(tmp_path):
+    rte = parse_tasks("rte")[0]
+    eager = training_arguments(evaluation(tmp_path), rte, seed=0, num_processes=1)
+    assert eager.torch_compile is False
+    autotuned = training_arguments(evaluation(tmp_path, compile_mode="max-autotune"), rte, seed=0, num_processes=1)
+    assert autotuned.torch_compile is True and autotuned.torch_compile_mode == "max-autotune"
 
 
 def test_fine_tuning_does_not_clip_gradients_unless_asked(tmp_path):

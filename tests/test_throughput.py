@@ -8,9 +8,11 @@ from transformers import BertConfig, BertForMaskedLM
 
 from cram.data.collator import MaskedLMCollator
 from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
+from cram.models.pythia_model import build_pythia_model, pythia_config
 from cram.train.throughput import (
     bert_flops_per_token,
     crammed_bert_flops_per_token,
+    gpt_neox_flops_per_token,
     mfu,
     peak_flops,
     peak_flops_for_name,
@@ -29,6 +31,19 @@ def test_flops_per_token_follow_the_models_own_matmul_weights():
     expected = 6 * (layer_matmul_weights + attention + decoder_on_masked)
     assert crammed_bert_flops_per_token(16, 768, 3072, 32768, 128, 0.25) == pytest.approx(expected)
     assert expected == pytest.approx(622_854_144)
+
+
+def test_pythia_flops_count_its_matmul_weights_and_its_attention_in_full_or_the_causal_half():
+    config = pythia_config("pythia-160m")
+    with torch.device("meta"):
+        model = build_pythia_model("pythia-160m", config)
+    matmul_weights = sum(module.weight.numel() for module in model.modules()
+                         if isinstance(module, torch.nn.Linear))  # the layers' and the output layer's
+    layers, seq_len, hidden = config.num_hidden_layers, 2048, config.hidden_size
+    args = (layers, hidden, config.intermediate_size, config.vocab_size, seq_len)
+    assert gpt_neox_flops_per_token(*args) == 6 * matmul_weights + 12 * layers * seq_len * hidden
+    # A causal kernel computes the lower triangle of the scores: half the attention term.
+    assert gpt_neox_flops_per_token(*args, causal_half=True) == 6 * matmul_weights + 6 * layers * seq_len * hidden
 
 
 @pytest.mark.parametrize(
@@ -64,7 +79,7 @@ def test_flops_per_token_equal_torchs_count_of_a_real_training_step(preset):
 
 def test_bert_for_masked_lm_flops_per_token_equal_torchs_count_of_its_training_step():
     # Hugging Face's BERT decodes every position over the full vocabulary after a transform layer, and its
-    # feed-forward is not gated: a count of its own, as `make gpu-report` gives its row's MFU.
+    # feed-forward is not gated: a count of its own, as `make device-check` gives its row's MFU.
     config = BertConfig(vocab_size=2048, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=512, max_position_embeddings=64, attn_implementation="sdpa")
     model = BertForMaskedLM(config)

@@ -1,5 +1,5 @@
 """The original cramming code (JonasGeiping/cramming) from a checkout the user gives, built as its pretraining does,
-for `make gpu-report ORIGINAL=PATH` to time beside crammed BERT.
+for `make device-check ORIGINAL=PATH` to time beside crammed BERT.
 
 Nothing of it is copied here: its model class comes from the checkout's `cramming/architectures/crammed_bert.py`, its
 settings from its own config files, composed as its `pretrain.py` runs crammed BERT (`arch=crammed-bert
@@ -26,7 +26,7 @@ NEEDED = ("omegaconf", "einops")
 ARCH, TRAIN, IMPL = "crammed-bert", "bert-o4", "torch-default"
 # The keyword arguments its TorchEngineMinimal hands torch.compile (cramming/backend/torch_default.py), from
 # cramming/config/impl/torch-default.yaml: mode, dynamic, fullgraph, backend and _inductor_vars (flattened as
-# `build_original` flattens them). `make gpu-report` compiles cram's and Hugging Face's models with these too, so a
+# `build_original` flattens them). `make device-check` compiles cram's and Hugging Face's models with these too, so a
 # ratio between rows compiled alike is one of the code, and one between a model's two compiled rows one of the flags.
 ORIGINAL_COMPILE_OPTIONS = {
     "mode": None, "dynamic": False, "fullgraph": True, "backend": "inductor",

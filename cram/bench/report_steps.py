@@ -1,5 +1,5 @@
-"""The training steps `make gpu-report` times side by side, each a whole step (forward, backward, clipping, AdamW)
-on synthetic tokens at one shape.
+"""The contender and lever rows `make device-check` times, each a whole step (forward, backward, clipping, AdamW)
+on synthetic tokens at one shape, each in a process of its own.
 
 The contenders: crammed BERT, the original cramming code from the user's checkout and Hugging Face's
 `BertForMaskedLM`; cram's Pythia and `GPTNeoXForCausalLM` as a Hugging Face user trains it (its own attention and
@@ -12,6 +12,9 @@ instead of none, and for Pythia a fused linear-cross-entropy kernel where one is
 cut-cross-entropy) instead of the chunked loss. With DeepSpeed installed, the crammed-BERT step under ZeRO stage 1.
 
 Every row counts its own model's FLOPs, so each MFU is that model's; the ratios compare tokens/s at one shape.
+Building the list touches no device (the device check's own process must not initialise CUDA: `cram.bench.isolated`):
+each row's batch is made in its row's process, and why a row cannot run here (`Candidate.unavailable`) is decided
+before any process starts.
 """
 
 from __future__ import annotations
@@ -28,8 +31,13 @@ import torch
 import torch.nn.functional as F
 from transformers import BertConfig, BertForMaskedLM, GPTNeoXConfig, GPTNeoXForCausalLM
 
-from cram.bench.interleaved import Built, Candidate, Rounds, Skip
-from cram.bench.original_cramming import ORIGINAL_COMPILE_OPTIONS, OriginalUnavailable, build_original
+from cram.bench.measure import Built, Candidate, Rounds, Skip
+from cram.bench.original_cramming import (
+    ORIGINAL_COMPILE_OPTIONS,
+    OriginalUnavailable,
+    build_original,
+    check_checkout,
+)
 from cram.models.crammed_bert import CrammedBertConfig, CrammedBertForMaskedLM
 from cram.models.pythia_model import build_pythia_model, pythia_config
 from cram.plan.launch import free_port
@@ -198,9 +206,9 @@ def readymade_batches(vocab: int, batch: int, seq_len: int, steps: int, workers:
                       folder: Path) -> Callable[[], dict[str, torch.Tensor]]:
     """Masked batches through `cram.data.readymade.readymade_loader` (in the training process) or the same
     micro-batches in a DataLoader with `workers` workers, from parquet shards of synthetic blocks written to
-    `folder`, as the ready-made upload holds them: enough for `steps` steps, so no timed step re-opens a shard."""
-    if importlib.util.find_spec("datasets") is None or importlib.util.find_spec("pyarrow") is None:
-        raise Skip("the readymade loader needs datasets and pyarrow: pip install datasets")
+    `folder`, as the ready-made upload holds them: enough for `steps` steps, so no timed step re-opens a shard. Each
+    batch carries the collator's `masked_per_sequence`, so the model predicts the masked quarter, as in the recipe
+    (and as its FLOPs are counted), not every position."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from torch.utils.data import DataLoader
@@ -227,9 +235,11 @@ def readymade_batches(vocab: int, batch: int, seq_len: int, steps: int, workers:
                             pin_memory=pin, persistent_workers=True)
     batches: Iterator[dict[str, torch.Tensor]] = iter(loader)
 
-    def next_batch() -> dict[str, torch.Tensor]:
+    def next_batch() -> dict[str, torch.Tensor | int]:
         taken = next(batches)
-        return {name: taken[name].to(device, non_blocking=True) for name in ("input_ids", "labels")}
+        return {"input_ids": taken["input_ids"].to(device, non_blocking=True),
+                "labels": taken["labels"].to(device, non_blocking=True),
+                "masked_per_sequence": taken["masked_per_sequence"]}
 
     return next_batch
 
@@ -279,39 +289,50 @@ class Setting:
         """How the lever rows and the rows they are compared with run: as the recipes do on this device."""
         return "compiled" if self.compiled else "eager"
 
+    @property
+    def compile_refused(self) -> str:
+        return f"--compile {self.compile_choice} does not compile on this device"
+
+
+def missing(*modules: str) -> list[str]:
+    return [module for module in modules if importlib.util.find_spec(module) is None]
+
 
 def candidates(shape: Shape, setting: Setting) -> list[Candidate]:
-    """Every row of the report, in its order: the comparisons of the code first, the levers after, so a time
-    bound cuts levers first."""
+    """Every contender and lever row, in their order: the comparisons of the code first, the levers after, so a time
+    bound cuts levers first. Builds nothing: each row's model and batch are made by its build, in its process."""
     device, bert = setting.device, shape.bert
     models = contenders(shape)
     bert_shape = f"{shape.bert_batch} × {bert.max_position_embeddings}"
     bert_tokens = shape.bert_batch * bert.max_position_embeddings
-    bert_batch = mlm_batch(bert.vocab_size, shape.bert_batch, bert.max_position_embeddings, bert.sparse_prediction,
-                           device)
     crammed_flops = crammed_bert_flops_per_token(bert.num_hidden_layers, bert.hidden_size, bert.intermediate_size,
                                                  bert.vocab_size, bert.max_position_embeddings, bert.sparse_prediction)
     hf_bert_flops = bert_flops_per_token(bert.num_hidden_layers, bert.hidden_size, bert.intermediate_size,
                                          bert.vocab_size, bert.max_position_embeddings)
     pythia = pythia_config_for(shape)  # read for the shape's sizes only
-    pythia_flops = gpt_neox_flops_per_token(pythia.num_hidden_layers, pythia.hidden_size, pythia.intermediate_size,
-                                            pythia.vocab_size, shape.pythia_seq_len)
-    tokens = torch.randint(0, pythia.vocab_size, (shape.pythia_batch, shape.pythia_seq_len),
-                           generator=torch.Generator().manual_seed(0)).to(device)
-    pythia_batch = {"input_ids": tokens, "labels": tokens}
+    pythia_sizes = (pythia.num_hidden_layers, pythia.hidden_size, pythia.intermediate_size, pythia.vocab_size,
+                    shape.pythia_seq_len)
+    pythia_flops = gpt_neox_flops_per_token(*pythia_sizes)
+    pythia_causal_flops = gpt_neox_flops_per_token(*pythia_sizes, causal_half=True)
     pythia_shape = f"{shape.pythia_batch} × {shape.pythia_seq_len}"
     pythia_tokens = shape.pythia_batch * shape.pythia_seq_len
     precision, pythia_precision = setting.precision, setting.pythia_precision
-    compile_refused = f"--compile {setting.compile_choice} does not compile on this device"
     original: dict = {}
+
+    def bert_batch() -> dict:
+        return mlm_batch(bert.vocab_size, shape.bert_batch, bert.max_position_embeddings, bert.sparse_prediction,
+                         device)
+
+    def pythia_batch() -> dict:
+        tokens = torch.randint(0, pythia.vocab_size, (shape.pythia_batch, shape.pythia_seq_len),
+                               generator=torch.Generator().manual_seed(0)).to(device)
+        return {"input_ids": tokens, "labels": tokens}
 
     def step_of(make_model: Callable[[], torch.nn.Module], options: Callable[[], dict] | None,
                 next_batch: Callable[[], Callable[[], dict]], step_precision: str, note: str | None,
                 ) -> Callable[[], Built]:
         """A row's build: `make_model()` fresh, compiled with `options()` unless None, fed by `next_batch()`."""
         def build() -> Built:
-            if options is not None and not setting.compiled:
-                raise Skip(compile_refused)
             torch.manual_seed(0)
             model, dropped = make_model().to(device), None
             if options is not None:
@@ -320,17 +341,31 @@ def candidates(shape: Shape, setting: Setting) -> list[Candidate]:
             return Built(training_step(model, next_batch(), step_precision, device), "; ".join(notes) or None)
         return build
 
-    def fixed(batch: dict) -> Callable[[], Callable[[], dict]]:
-        return lambda: lambda: batch
+    def fixed(make_batch: Callable[[], dict]) -> Callable[[], Callable[[], dict]]:
+        """Every step on one batch, made when the row is built."""
+        def feed() -> Callable[[], dict]:
+            batch = make_batch()
+            return lambda: batch
+        return feed
 
     def row(name: str, shape_text: str, make_model: Callable[[], torch.nn.Module], options: dict | None | Callable,
             batch: Callable[[], Callable[[], dict]], step_precision: str, tokens_per_step: int, flops: float,
-            autotunes: bool = False, note: str | None = None) -> Candidate:
+            autotunes: bool = False, note: str | None = None, unavailable: str | None = None,
+            causal_flops: float | None = None) -> Candidate:
         """A row: `options` None for eager, else torch.compile's keywords (or a function giving them)."""
         get_options = options if callable(options) or options is None else (lambda: options)
-        compiles = int(options is not None and setting.compiled)  # a row skipped here compiles nothing
+        if options is not None and not setting.compiled:
+            unavailable = setting.compile_refused
+        compiles = int(options is not None and unavailable is None)  # a row that cannot run compiles nothing
         return Candidate(f"{name} ({shape_text})", step_of(make_model, get_options, batch, step_precision, note),
-                         tokens_per_step, flops, compiles=compiles, autotunes=bool(compiles and autotunes))
+                         tokens_per_step, flops, compiles=compiles, autotunes=bool(compiles and autotunes),
+                         unavailable=unavailable, causal_flops_per_token=causal_flops)
+
+    try:
+        check_checkout(setting.original)
+        original_unavailable = None
+    except OriginalUnavailable as reason:
+        original_unavailable = str(reason)
 
     def original_model() -> torch.nn.Module:
         """The original code's model at this shape (built once per row: each row trains its own)."""
@@ -346,51 +381,47 @@ def candidates(shape: Shape, setting: Setting) -> list[Candidate]:
         return built.model
 
     def zero1() -> Callable[[], None]:
-        if importlib.util.find_spec("deepspeed") is None:
-            raise Skip('DeepSpeed is not installed (pip install "cram[deepspeed]")')
         torch.manual_seed(0)
-        return zero1_step(models["crammed BERT"]().to(device), bert_batch, setting.precision, device)
+        return zero1_step(models["crammed BERT"]().to(device), bert_batch(), setting.precision, device)
 
-    def lever_model(wrap: Callable[[torch.nn.Module], torch.nn.Module], make_model: Callable[[], torch.nn.Module],
-                    needs: tuple[str, str] | None = None) -> Callable[[], torch.nn.Module]:
-        def make() -> torch.nn.Module:
-            if needs is not None:
-                module, pip_name = needs
-                if importlib.util.find_spec(module) is None:
-                    raise Skip(f"not installed (pip install {pip_name})")
-                if device.type != "cuda":
-                    raise Skip(f"{pip_name} runs Triton kernels, which need a GPU")
-            return wrap(make_model())
-        return make
+    def fused_unavailable(module: str, pip_name: str) -> str | None:
+        if missing(module):
+            return f"not installed (pip install {pip_name})"
+        if device.type != "cuda":
+            return f"{pip_name} runs Triton kernels, which need a GPU"
+        return None
 
-    loader_folder: list[tempfile.TemporaryDirectory] = []
+    no_loader = (f"the readymade loader needs {' and '.join(missing('datasets', 'pyarrow'))}: pip install datasets"
+                 if missing("datasets", "pyarrow") else None)
+    # The shards both loader rows read, written by the first: made here, in the check's own process, so that they
+    # are removed when it ends (a row's process leaves by os._exit, which removes nothing).
+    shards = tempfile.TemporaryDirectory(prefix="cram-device-check-") if no_loader is None else None
 
     def loader_batches(workers: int) -> Callable[[], Callable[[], dict]]:
         def make() -> Callable[[], dict]:
-            if not loader_folder:  # one set of shards for both rows, removed when the report's process ends
-                loader_folder.append(tempfile.TemporaryDirectory(prefix="cram-gpu-report-"))
-            steps = shape.rounds.warmup + 1 + shape.rounds.rounds * shape.rounds.steps_per_round + 8
+            steps = shape.rounds.warmup + shape.rounds.rounds * shape.rounds.steps_per_round + 8
             return readymade_batches(bert.vocab_size, shape.bert_batch, bert.max_position_embeddings, steps, workers,
-                                     device, Path(loader_folder[0].name))
+                                     device, Path(shards.name))
         return make
 
     bert_rows, pythia_rows = [], []
-    for name, make_model, flops, batch in (
-            ("crammed BERT", models["crammed BERT"], crammed_flops, bert_batch),
-            ("original cramming", original_model, crammed_flops, without_count(bert_batch)),
-            ("BertForMaskedLM", models["BertForMaskedLM"], hf_bert_flops, without_count(bert_batch))):
+    for name, make_model, flops, batch, unavailable in (
+            ("crammed BERT", models["crammed BERT"], crammed_flops, bert_batch, None),
+            ("original cramming", original_model, crammed_flops, lambda: without_count(bert_batch()),
+             original_unavailable),
+            ("BertForMaskedLM", models["BertForMaskedLM"], hf_bert_flops, lambda: without_count(bert_batch()), None)):
         # The original's own options come from its checkout (they equal ORIGINAL_COMPILE_OPTIONS; a test checks).
         own = (lambda: original["compile options"]) if name == "original cramming" else ORIGINAL_COMPILE_OPTIONS
         bert_rows += [row(f"{name}, eager", bert_shape, make_model, None, fixed(batch), precision, bert_tokens,
-                          flops),
+                          flops, unavailable=unavailable),
                       row(f"{name}, compiled", bert_shape, make_model, {}, fixed(batch), precision,
-                          bert_tokens, flops),
+                          bert_tokens, flops, unavailable=unavailable),
                       row(f"{name}, compiled with the original's options", bert_shape, make_model, own,
-                          fixed(batch), precision, bert_tokens, flops, autotunes=True)]
+                          fixed(batch), precision, bert_tokens, flops, autotunes=True, unavailable=unavailable)]
     for name in (shape.pythia, HF_GPT_NEOX):
         pythia_rows += [row(f"{name}, {how}", pythia_shape, models[name], options, fixed(pythia_batch),
                             pythia_precision, pythia_tokens, pythia_flops,
-                            autotunes=options is ORIGINAL_COMPILE_OPTIONS)
+                            autotunes=options is ORIGINAL_COMPILE_OPTIONS, causal_flops=pythia_causal_flops)
                         for how, options in (("eager", None), ("compiled", {}),
                                              ("compiled with the original's options", ORIGINAL_COMPILE_OPTIONS))]
     recipes_compile = {} if setting.compiled else None  # the levers change the step the recipes run here
@@ -399,22 +430,27 @@ def candidates(shape: Shape, setting: Setting) -> list[Candidate]:
         row("crammed BERT, compiled max-autotune", bert_shape, models["crammed BERT"], MAX_AUTOTUNE,
             fixed(bert_batch), precision, bert_tokens, crammed_flops, autotunes=True),
         row(f"crammed BERT, {mode}, its loss on the autocast dtype's logits", bert_shape,
-            lever_model(LossInAutocastDtype, models["crammed BERT"]), recipes_compile, fixed(bert_batch), precision,
+            lambda: LossInAutocastDtype(models["crammed BERT"]()), recipes_compile, fixed(bert_batch), precision,
             bert_tokens, crammed_flops,
             note=None if precision in ("bf16", "fp16") else "no autocast here: its loss is fp32 as the model's is"),
         row(f"crammed BERT, {mode}, fed by the readymade loader in-process", bert_shape, models["crammed BERT"],
-            recipes_compile, loader_batches(0), precision, bert_tokens, crammed_flops),
+            recipes_compile, loader_batches(0), precision, bert_tokens, crammed_flops, unavailable=no_loader),
         row(f"crammed BERT, {mode}, fed by the readymade loader with {LOADER_WORKERS} worker", bert_shape,
             models["crammed BERT"], recipes_compile, loader_batches(LOADER_WORKERS), precision, bert_tokens,
-            crammed_flops),
+            crammed_flops, unavailable=no_loader),
         row(f"{shape.pythia}, compiled max-autotune", pythia_shape, models[shape.pythia], MAX_AUTOTUNE,
-            fixed(pythia_batch), pythia_precision, pythia_tokens, pythia_flops, autotunes=True),
+            fixed(pythia_batch), pythia_precision, pythia_tokens, pythia_flops, autotunes=True,
+            causal_flops=pythia_causal_flops),
     ]
     for what, module, pip_name in FUSED_LOSSES:
         levers.append(row(f"{shape.pythia}, {mode}, {what}", pythia_shape,
-                          lever_model(lambda model, module=module: FusedLinearCrossEntropy(model, module),
-                                      models[shape.pythia], (module, pip_name)),
-                          recipes_compile, fixed(pythia_batch), pythia_precision, pythia_tokens, pythia_flops))
+                          lambda module=module: FusedLinearCrossEntropy(models[shape.pythia](), module),
+                          recipes_compile, fixed(pythia_batch), pythia_precision, pythia_tokens, pythia_flops,
+                          unavailable=fused_unavailable(module, pip_name), causal_flops=pythia_causal_flops))
+    for lever in levers:
+        lever.group = "lever"
+    zero1_unavailable = 'DeepSpeed is not installed (pip install "cram[deepspeed]")' if missing("deepspeed") else None
     return [*bert_rows, *pythia_rows,
-            Candidate(f"crammed BERT, DeepSpeed ZeRO-1 ({bert_shape})", zero1, bert_tokens, crammed_flops),
+            Candidate(f"crammed BERT, DeepSpeed ZeRO-1 ({bert_shape})", zero1, bert_tokens, crammed_flops,
+                      unavailable=zero1_unavailable),
             *levers]

@@ -145,7 +145,9 @@ def make_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches:
     device = next(model.parameters()).device
 
     def step() -> float:
-        batch = {name: tensor.to(device, non_blocking=True) for name, tensor in next(batches).items()}
+        # Tensors to the device; cram's collator also gives the masked count per sequence, a plain int.
+        batch = {name: value.to(device, non_blocking=True) if torch.is_tensor(value) else value
+                 for name, value in next(batches).items()}
         with autocast:
             loss = model(**batch).loss
         loss.backward()
@@ -167,7 +169,7 @@ def default_precisions(device: torch.device) -> list[str]:
     return ["fp32"]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=768)
@@ -183,7 +185,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="add both models under torch.compile")
     parser.add_argument("--original", type=Path, help="a checkout of JonasGeiping/cramming: add its model")
     parser.add_argument("--profile-ops", type=int, default=10, help="top operators per contender to list (0: none)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.batch < 1:
         parser.error("--steps and --batch must be at least 1, --warmup at least 0")
 

@@ -44,14 +44,6 @@ class CausalData:
     identity: DataIdentity  # what the processes of a run compare at start
 
 
-def causal_lm_batch(items: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Collate runs of seq_len + 1 tokens into the model's inputs (the first seq_len) and targets (the last
-    seq_len, already shifted, so no position is lost to the usual shift inside the loss)."""
-    tokens = items["input_ids"].long()
-    inputs = tokens[:, :-1].contiguous()
-    return {"input_ids": inputs, "labels": inputs, "shift_labels": tokens[:, 1:].contiguous()}
-
-
 def token_digest(tokens: torch.Tensor) -> str:
     """A short digest of token ids, whatever their integer dtype: equal where the ids are."""
     return hashlib.sha256(tokens.to(torch.int64).numpy().tobytes()).hexdigest()[:16]

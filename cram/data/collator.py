@@ -1,4 +1,5 @@
-"""The MLM collator: exactly `mask_fraction` of each sequence is masked, 80 % [MASK] / 10 % random / 10 % kept.
+"""The collators. The MLM collator: exactly `mask_fraction` of each sequence is masked, 80 % [MASK] / 10 % random /
+10 % kept. The causal one (`causal_lm_batch`): runs of seq_len + 1 tokens into inputs and shifted targets.
 
 Given each sequence's serial number (its position in the run's stream of sequences, see `cram.data.sampling`),
 the masks are a pure function of (seed, serial): a resumed run, a run split over more processes, or a data loader
@@ -117,3 +118,11 @@ def hashed_uniform(seed: int, serials: torch.Tensor, width: int, stream: int) ->
     hashed = _mix32(hashed ^ (serials >> 32))
     hashed = _mix32(hashed ^ torch.arange(width).view(1, -1))
     return hashed.double().div_(2.0**32).float()
+
+
+def causal_lm_batch(items: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Collate runs of seq_len + 1 tokens into the model's inputs (the first seq_len) and targets (the last
+    seq_len, already shifted, so no position is lost to the usual shift inside the loss)."""
+    tokens = items["input_ids"].long()
+    inputs = tokens[:, :-1].contiguous()
+    return {"input_ids": inputs, "labels": inputs, "shift_labels": tokens[:, 1:].contiguous()}

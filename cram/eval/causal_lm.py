@@ -22,7 +22,8 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from cram.cli import summary
-from cram.data.causal import causal_lm_batch, load_causal_data
+from cram.data.causal import load_causal_data
+from cram.data.collator import causal_lm_batch
 from cram.errors import UserError, run_cli
 from cram.optional import import_optional
 

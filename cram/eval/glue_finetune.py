@@ -57,7 +57,7 @@ from cram.eval.glue_report import (
 from cram.model_card import add_eval_results_to_card
 from cram.optional import require_installed
 from cram.train.accelerator import launch_device_type, use_cpu_cores
-from cram.train.compilation import CompileChoice, resolve_compile
+from cram.train.compilation import CompileChoice, resolve_compile_mode
 from cram.train.precision import Precision, enable_tf32, resolve_precision
 from cram.versions import check_installed_versions
 
@@ -103,7 +103,9 @@ class GlueRunOptions:
 
     output_dir: str = option("runs/glue", "where results, the report and the per-task cache go")
     precision: Precision = option("auto", "auto: bf16 where supported (as the cram recipe)")
-    compile: CompileChoice = option("auto", "torch.compile; auto: on for GPUs that support it")
+    compile: CompileChoice = option(
+        "auto", "torch.compile: auto (on for GPUs that support it), true, false, or one of its modes (true and auto "
+        "compile in default)")
     eval_batch_size: int = option(128, "examples per evaluation batch")
     write_eval_results: bool = option(True, "also write eval_results.json beside a local checkpoint (for the Hub)")
     fresh: bool = option(
@@ -120,7 +122,7 @@ class Evaluation:
     model_type: str
     tasks: list[TaskData]
     mixed_precision: str  # Accelerate's value: bf16, fp16 or no
-    compile: bool
+    compile_mode: str | None  # torch.compile's mode, None: eager
     model_digest: str  # what was evaluated: see `model_digest`
 
 
@@ -170,7 +172,7 @@ def prepare_evaluation(options: GlueOptions, run: GlueRunOptions) -> Evaluation:
         check_cache_owner(options, digest, Path(run.output_dir))
     return Evaluation(
         options, run, tokenizer, config.model_type, data,
-        resolve_precision(run.precision, device_type), resolve_compile(run.compile, device_type), digest,
+        resolve_precision(run.precision, device_type), resolve_compile_mode(run.compile, device_type), digest,
     )
 
 
@@ -348,7 +350,8 @@ def training_arguments(evaluation: Evaluation, task: GlueTask, seed: int, num_pr
         max_grad_norm=options.max_grad_norm,  # Trainer skips clipping at 0
         bf16=evaluation.mixed_precision == "bf16",
         fp16=evaluation.mixed_precision == "fp16",
-        torch_compile=evaluation.compile,
+        torch_compile=evaluation.compile_mode is not None,
+        torch_compile_mode=evaluation.compile_mode,
         seed=seed,
         save_strategy="no",
         eval_strategy="no",

@@ -55,12 +55,15 @@ AttentionMaskInterface.register(CAUSAL_SDPA, causal_sdpa_mask)
 class OutputLayer(torch.nn.Linear):
     """The output layer; called with `targets`, it gives the summed cross-entropy and its count in
     chunks instead of logits. The loss runs inside the layer's own call so that ZeRO-3, which gathers a module's
-    weights around its forward and backward, gathers this weight for it."""
+    weights around its forward and backward, gathers this weight for it. `logits_per_chunk` bounds a chunk's logits
+    (None: `cram.models.chunked_loss.LOGITS_PER_CHUNK`); set on a layer, it changes that layer's chunks alone."""
+
+    logits_per_chunk: int | None = None
 
     def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None):
         if targets is None:
             return super().forward(hidden)
-        return linear_cross_entropy(hidden, self.weight, targets)
+        return linear_cross_entropy(hidden, self.weight, targets, self.logits_per_chunk)
 
 
 # The names of transformers' forward arguments in their positional order, which differs between releases
@@ -109,7 +112,7 @@ class GPTNeoXForCausalLM(transformers.GPTNeoXForCausalLM):
 
     def forward(self, *args, shift_labels: torch.Tensor | None = None, **kwargs) -> CausalLMOutputWithPast:
         """transformers' forward, with its arguments in its order (`model(ids, mask)` passes a padding mask); with
-        `labels` or `shift_labels` (targets already shifted, as `cram.data.causal.causal_lm_batch` gives them),
+        `labels` or `shift_labels` (targets already shifted, as `cram.data.collator.causal_lm_batch` gives them),
         the loss is computed in chunks and `logits` is None. `num_items_in_batch` divides the summed loss, as in
         `ForCausalLMLoss`; unset, the loss is the mean."""
         if len(args) > len(TRANSFORMERS_ARGUMENTS):

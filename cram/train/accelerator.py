@@ -16,7 +16,7 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import InitProcessGroupKwargs, TorchDynamoPlugin, parse_flag_from_env
 
 from cram.errors import UserError
-from cram.train.compilation import resolve_compile
+from cram.train.compilation import resolve_compile_mode
 from cram.train.deepspeed_setup import prepare_deepspeed_on_the_cpu
 from cram.train.loss_scaling import record_overflows
 from cram.train.network import use_interface_to_main_process
@@ -75,9 +75,10 @@ def build_accelerator(
 
     `cpu=True` lets torchrun start several CPU processes (MULTI_CPU over gloo). DeepSpeed ignores `cpu`, and on a
     machine without a GPU Accelerate finds no backend for it and reports one process; naming gloo fixes both.
-    Compilation goes through Accelerate's dynamo plugin, so `prepare` compiles the way each distributed type needs:
-    the DDP-wrapped model, FSDP2's model after sharding, and DeepSpeed through the engine's own `compile()`
-    (compiling the engine object from outside would trace DeepSpeed's hooks and bookkeeping too).
+    Compilation goes through Accelerate's dynamo plugin, in the mode `compile_choice` resolves to, so `prepare`
+    compiles the way each distributed type needs: the DDP-wrapped model, FSDP2's model after sharding, and DeepSpeed
+    through the engine's own `compile()` (compiling the engine object from outside would trace DeepSpeed's hooks and
+    bookkeeping too).
     """
     check_installed_versions()
     device_type = launch_device_type()
@@ -90,7 +91,7 @@ def build_accelerator(
     if deepspeed and device_type == "cpu":
         group["backend"] = "gloo"
         prepare_deepspeed_on_the_cpu()
-    compiled = resolve_compile(compile_choice, device_type)
+    mode = resolve_compile_mode(compile_choice, device_type)
     forget_earlier_accelerator()
     accelerator = Accelerator(
         cpu=device_type == "cpu" and not deepspeed,
@@ -98,7 +99,7 @@ def build_accelerator(
         log_with=log_with,
         project_dir=project_dir,
         kwargs_handlers=[InitProcessGroupKwargs(**group)],
-        dynamo_plugin=TorchDynamoPlugin(backend="inductor" if compiled else "no"),
+        dynamo_plugin=TorchDynamoPlugin(backend="inductor" if mode else "no", mode=mode or "default"),
     )
     record_overflows(accelerator)  # so the loop sees the steps a fused optimizer skips in fp16
     return accelerator

@@ -30,7 +30,7 @@ from cram.train.checkpoint import (
     load_checkpoint,
     read_record,
 )
-from cram.train.compilation import compile_reason, is_compiled
+from cram.train.compilation import compile_reason, compiled_mode
 from cram.train.continuation import (
     TRAINING_STATE_FOLDER,
     fetch_training_state,
@@ -116,7 +116,8 @@ class RecipeRun:
         )
         self.device_type = self.accelerator.device.type
         self.continued_at: int | None = None  # the step a fresh run went on from (`start`'s `continued`)
-        self.use_compile = is_compiled(self.accelerator)
+        self.compile_mode = compiled_mode(self.accelerator)  # None: eager
+        self.use_compile = self.compile_mode is not None
         if options.resume == "none" and complete_checkpoints(self.output_dir / "checkpoints"):
             raise UserError(
                 f"{self.output_dir} already holds checkpoints of a run: continue it with --resume auto, "
@@ -235,6 +236,7 @@ class RecipeRun:
                 "precision": self.precision,
                 "mixed_precision": accelerator.mixed_precision,
                 "compile": self.use_compile,
+                "compile_mode": self.compile_mode,
                 "compile_reason": compile_reason(self.options.compile, self.device_type),
                 "distributed_type": str(accelerator.distributed_type),
                 "num_processes": accelerator.num_processes,
@@ -412,7 +414,8 @@ class RunSession:
         if checkpoint is not None:  # rank 0
             write_summary(state, checkpoint, self.output_dir, blocks, flops_per_token, self.parameters,
                           self.parameters_held, self.run.resume_from, optimizer_state_bytes(self.optimizer),
-                          load_hint, peak_flops(self.accelerator.device, self.accelerator.num_processes))
+                          load_hint, peak_flops(self.accelerator.device, self.accelerator.num_processes),
+                          compile_mode=self.run.compile_mode)
             write_training_curves(state.history, self.output_dir / CURVES_FILE)
             write_model_card(checkpoint, self.card(state, **card))
         shut_down(self.accelerator)

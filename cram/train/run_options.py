@@ -24,7 +24,9 @@ class RunOptions:
     precision: Precision = option(
         "auto", "auto: bf16 on GPUs and CPUs that support it, else fp16 on GPUs, fp32 on CPUs"
     )
-    compile: CompileChoice = option("auto", "torch.compile; auto: on for GPUs that support it")
+    compile: CompileChoice = option(
+        "auto", "torch.compile: auto (on for GPUs that support it), true, false, or one of its modes (true and auto "
+        "compile in default)")
     activation_checkpointing: bool = option(False, "recompute each layer in the backward pass: less memory, slower")
     num_workers: int | None = option(None, "data loader workers; unset means 2 on GPU, 0 on CPU")
     log_every: int = option(10, "log every N optimizer steps")

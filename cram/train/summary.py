@@ -12,11 +12,13 @@ from cram.train.throughput import mfu
 def write_summary(
     state: TrainState, checkpoint: Path, output_dir: Path, blocks: int, flops_per_token: float, parameters: int,
     parameters_held: int, resume_from: Path | None, optimizer_state: int, load_hint: str, peak: float | None,
+    compile_mode: str | None = None,
 ) -> None:
     """OUTPUT_DIR/summary.json, and the run's last words on the console (ending with how to load the model).
 
     Its throughput is the steady one the log rows measure (each session's first step, which compiles, left out),
-    and its MFU is that throughput's, against `peak`: the FLOP/s of all the run's devices (None: no MFU)."""
+    and its MFU is that throughput's, against `peak`: the FLOP/s of all the run's devices (None: no MFU).
+    `compile_mode`: the torch.compile mode the run trained in (None: eager), beside the throughput it gave."""
     tokens_per_second = state.tokens_per_second
     summary = {
         "optimizer_steps": state.optimizer_steps,
@@ -31,6 +33,7 @@ def write_summary(
         "final_loss": state.final_loss,
         "flops_per_token": flops_per_token,
         "mfu": mfu(tokens_per_second, flops_per_token, peak) if tokens_per_second is not None else None,
+        "compile_mode": compile_mode,
         "peak_memory_gib": max(row["peak_memory_gib"] for row in state.history),
         "parameters": parameters,
         "parameters_held_by_rank0": parameters_held,

@@ -84,12 +84,14 @@ def bert_flops_per_token(num_layers: int, hidden: int, intermediate: int, vocab_
     return 6.0 * (num_layers * (layer_weights + attention) + head)
 
 
-def gpt_neox_flops_per_token(num_layers: int, hidden: int, intermediate: int, vocab_size: int, seq_len: int) -> float:
+def gpt_neox_flops_per_token(num_layers: int, hidden: int, intermediate: int, vocab_size: int, seq_len: int,
+                             causal_half: bool = False) -> float:
     """Training FLOPs per token of a GPT-NeoX (Pythia) model: 6·N over the matmul weights N (attention, MLP and
     the untied output projection; the input embedding is a lookup) plus the attention term 6·2·layers·seq·hidden
-    (QKᵀ and attention·V, counted in full as in PaLM's MFU)."""
+    (QKᵀ and attention·V, counted in full as in PaLM's MFU). `causal_half`: the attention term halved, the scores
+    a causal kernel computes (the lower triangle), for an MFU of the work done rather than the convention's."""
     matmul_weights = num_layers * (4 * hidden * hidden + 2 * hidden * intermediate) + hidden * vocab_size
-    return 6.0 * matmul_weights + 12.0 * num_layers * seq_len * hidden
+    return 6.0 * matmul_weights + (6.0 if causal_half else 12.0) * num_layers * seq_len * hidden
 
 
 def peak_flops(device: torch.device, num_processes: int = 1) -> float | None:
