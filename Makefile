@@ -111,7 +111,7 @@ bench-data: setup
 # SBATCH: more #SBATCH options, e.g. SBATCH="--partition=gpu --account=lab"; SLURM_OPTIONS: more options of
 # `python -m cram.slurm`, e.g. SLURM_OPTIONS="--memory 200G --cpus-per-process 8 --setup 'module load cuda/12.4'".
 recipe_command = $(if $(SLURM),$(BIN)/python -m cram.slurm --submit --config $(1) $(if $(TIME_LIMIT),--time-limit \
-	$(TIME_LIMIT)) $(foreach option,$(SBATCH),--sbatch=$(option)) $(SLURM_OPTIONS) $(2),$(BIN)/accelerate launch -q \
+	$(TIME_LIMIT)) $(foreach option,$(SBATCH),--sbatch=$(option))$(if $(SLURM_OPTIONS), $(SLURM_OPTIONS)) $(2),$(BIN)/accelerate launch -q \
 	--config_file $(1) $(2))
 
 cram-1gpu: setup

@@ -122,9 +122,10 @@ def test_make_slurm_1_writes_and_submits_the_job_instead_of_launching(tmp_path):
                "48:00:00 --sbatch=--partition=gpu --sbatch=--account=lab recipes/pythia.py --size pythia-1b")
     assert completed.returncode == 0 and completed.stdout.count(command) == 2, completed.stdout  # printed, then run
     assert "accelerate launch" not in completed.stdout
-    cram = run(["make", "--no-print-directory", "-n", "cram-1gpu", "SLURM=1", "VENV=/nonexistent-venv"], cwd=REPO,
-               timeout=60).stdout
+    cram = run(["make", "--no-print-directory", "-n", "cram-1gpu", "SLURM=1", "VENV=/nonexistent-venv",
+                "SLURM_OPTIONS=--memory 64G --setup 'module load cuda'"], cwd=REPO, timeout=60).stdout
     assert "-m cram.slurm --submit --config accel_configs/1gpu.yaml" in cram and "--output-dir runs/cram" in cram
+    assert "--memory 64G --setup 'module load cuda' recipes/cram.py" in cram  # SLURM_OPTIONS: cram.slurm's own
     # What the target runs, without --submit: the script for one node of four GPUs.
     arguments = completed.stdout.splitlines()[-1].split("-m cram.slurm ")[1].split()
     arguments = [argument for argument in arguments if argument != "--submit"]
