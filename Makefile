@@ -194,11 +194,13 @@ pythia-replicate: pythia-data
 		--data $(DATA) --heldout $(HELDOUT) $(if $(filter command line environment,$(origin TOKENIZER)),--tokenizer $(TOKENIZER)) \
 		$(if $(STEPS),--steps $(STEPS)) $(if $(BUDGET),--budget $(BUDGET)) $(if $(DEVICE),--device $(DEVICE))
 
-# The replication verdict against runs whose truth is known: pythia-14m's faithful seeds and departures from its recipe
-# trained on the CPU, each seed checked against the others and each departure against the seeds; a table and
+# The replication verdict against seeds whose truth is known: simulated seeds (false fails and power, heavy tails, an
+# outlying reference: runs/bench-replication/simulated.json), then pythia-14m's faithful seeds and departures from its
+# recipe trained on the CPU, each seed checked against the others and each departure against the seeds; tables and
 # runs/bench-replication/results.json (docs/benchmarks.md: Replication verdict: sensitivity).
 .PHONY: bench-replication
 bench-replication: setup
+	$(BIN)/python -m cram.bench.replication_power --output runs/bench-replication/simulated.json
 	$(BIN)/python -m cram.bench.replication_sensitivity --output-dir runs/bench-replication
 
 # Where the suite's CPU goes: every Python process it starts, by kind and by test module; runs the whole suite, as

@@ -80,10 +80,11 @@ def weight_digest(weights: Iterable[tuple[str, torch.Tensor]]) -> WeightDigest:
 
 
 def _canonical(name: str) -> str:
-    """A weight's name as the model names it, whatever wrapper saved it (DDP's module., torch.compile's _orig_mod.)."""
+    """A weight's name as the saved model names it, whatever wrapper or version saved it: DDP's module.,
+    torch.compile's _orig_mod., and newer transformers' lm_head for GPT-NeoX's embed_out (a training state's names)."""
     for prefix in ("module.", "_orig_mod."):
         name = name.replace(prefix, "")
-    return name
+    return "embed_out.weight" if name == "lm_head.weight" else name
 
 
 def digest_cache_path() -> Path:
