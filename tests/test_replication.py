@@ -168,6 +168,9 @@ def test_released_names_the_matched_seeds_where_they_exist_else_every_seed_and_t
         f"EleutherAI/pythia-70m-seed{seed}" for seed in range(1, 10)]
     assert released_references("pythia-1b") == ["EleutherAI/pythia-1b"]
     assert "matched set" in reference_set("pythia-160m", False)
+    # What it is assumed to be, what EleutherAI/pythia#203 reports instead, and what the check does then.
+    assert "That is assumed: EleutherAI/pythia#203 reports" in reference_set("pythia-160m", False)
+    assert "refuses the set where fewer than two are left" in reference_set("pythia-160m", False)
     assert "differ from it in the init and the data order" in reference_set("pythia-70m", False)
     assert released_references("pythia-160m", deduped=True) == ["EleutherAI/pythia-160m-deduped"]
 
@@ -545,7 +548,7 @@ def digest_cache(tmp_path, monkeypatch) -> Path:
 
 
 def revision_run(folder: Path, tokenizer, init: int, moves: int, steps=(0, 1, 8), seed: int | None = None,
-                 **recorded) -> str:
+                 noise: float = 0.01, **recorded) -> str:
     """A run that kept revisions at `steps`: the init small_model(`init`) at steps 0 and 1 (the first update at learning
     rate 0), each later step moved from it by noise drawn from `moves` and the step; its final model the last."""
     revisions = []
@@ -555,7 +558,7 @@ def revision_run(folder: Path, tokenizer, init: int, moves: int, steps=(0, 1, 8)
             generator = torch.Generator().manual_seed(1000 * moves + step)
             with torch.no_grad():
                 for parameter in model.parameters():
-                    parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.01)
+                    parameter.add_(torch.randn(parameter.shape, generator=generator) * noise)
         revisions.append(model)
     fake_run(folder, revisions[-1], steps=steps[-1], tokenizer=tokenizer, seed=seed, **recorded)
     for step, model in zip(steps, revisions, strict=True):
@@ -756,3 +759,19 @@ def test_the_digests_of_hub_revisions_found_good_are_kept_for_the_next_check(tmp
     status, result = check(ours, [*references, "lab/odd"], small_data, tmp_path / "third", "--steps", "8")
     assert result["references_read"][2]["left_out"] == "holds the same weights as lab/seed1 at step 1"
     assert not [key for key in json.loads(digest_cache.read_text()) if key.startswith("lab/odd@")]
+
+
+def test_a_far_reference_is_named_in_the_report_with_the_verdict_without_it(tmp_path, small_data):
+    ours = revision_run(tmp_path / "ours", small_data.tokenizer, 0, 0)
+    seeds = [revision_run(tmp_path / f"seed{seed}", small_data.tokenizer, seed, seed) for seed in (1, 2, 3)]
+    far = revision_run(tmp_path / "far", small_data.tokenizer, 4, 4, noise=0.5)  # trained far from the others
+    status, result = check(ours, [*seeds, far], small_data, tmp_path / "out", "--steps", "8")
+    screening = result["screening"]
+    assert screening["far"] == far and screening["largest_z"][far] > screening["bound"] > max(
+        screening["largest_z"][seed] for seed in seeds)
+    # Four references: named, kept in the band, and the verdict without it given beside.
+    assert not screening["left_out"] and screening["other"]["references"] == seeds
+    assert result["band_references"] == [*seeds, far]
+    assert f"{far} is far from the other references" in result["verdict"]
+    assert "the band keeps it" in result["verdict"] and "without it, the verdict would be" in result["verdict"]
+    assert "Leave-one-out screening" in (tmp_path / "out" / "replication.md").read_text()

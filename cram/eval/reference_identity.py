@@ -10,9 +10,10 @@ where any does (EleutherAI/pythia#206: two pythia-12b branches serve the final m
 
 What is read: the steps judged, and steps 0 and 1 wherever every reference kept them (the init, and the first
 update, where EleutherAI/pythia#203 found pythia-160m's weight seeds all holding one init). Where two revisions agree:
-- ours and a reference, beyond the early steps where identical weights are expected: the reference is our run (a
-  copy, its revisions, or the run under another path): refused; at those early steps alone, it starts from our init
-  (a run of our seed): refused among several references, whose spread it would shrink, and noted as the one;
+- ours and a reference, at a step where our run had moved from its init (beyond the early steps, where our step 0
+  was not read): the reference is our run (a copy, its revisions, or the run under another path): refused; only
+  where ours was still its init, or recording our seed and first batch, it starts from our init (a run of our seed):
+  refused among several references, whose spread it would shrink, and noted where it is the one;
 - two references at every step read: a reference given twice: refused; at some steps: the later-given one is left
   out, named with the steps (EleutherAI/pythia#195, #203 and #205 report released branches like that);
 - two revisions of one reference, beyond the early steps: the reference is left out, named with the steps

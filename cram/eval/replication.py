@@ -19,17 +19,26 @@ init alone (its data order, which our run reads), for pythia-14m … 410m the or
 seeds, else the original alone; `released-deduped` the deduplicated Pile's model (one a size). Every reference,
 whatever its kind, goes through one comparability check (`check_comparable`): size, vocabulary and tokenizer,
 arithmetic, learning rate, weight decay, schedule, batch and length, the data's deduplication as recorded when it was
-prepared, and another run's first batch; the run itself or a reference given twice is refused.
+prepared, and another run's first batch. Then every reference is known by what it holds
+(`cram.eval.reference_identity`): the digest of its weights at each step judged and at steps 0 and 1, read before
+any scoring, its time taken from the budget. Our run under another path (a copy, its revisions), a run of our seed
+among several references, and a reference given twice under any path are refused; a reference that holds another's
+weights at some step, or whose revisions hold another step's weights, is left out and named with the reason (the
+released branches EleutherAI/pythia#195, #203, #205 and #206 report), and the check is refused where too few are
+left.
 
 The verdict (`cram.eval.seed_band`): with several references, a step passes where our loss lies within the
 prediction interval of one more seed from the references' mean and spread there (Student t), the critical value set
 so that a faithful run fails anywhere among the steps judged with probability --alpha (calibrated on the references'
 own correlation between steps, or Bonferroni's with few references); each step gets a z-score and the smallest
-departure it would catch, and the early steps (≤ 512) and the late ones get verdicts of their own. With one
-reference there is no spread to judge by: the step passes within --tolerance nats of it. Exit status: 0 PASS; 1
-FAIL, naming the first step out; 2 with one sentence where a reference cannot be compared with the run, --data is
-not the run's, the budget is too small, or the input is bad; 3 for any other failure. Written to OUTPUT (default
-RUN_DIR/replication): the table (replication.md), the figures (replication.json) and a PNG of the losses by step.
+departure it would catch, and the early steps (≤ 512) and the late ones get verdicts of their own. Each reference is
+screened against the others, leave-one-out: one far from them is named, with the verdict with and without it, and
+with 8 or more references the band leaves it out (the calibration allowing for it). With one reference there is no
+spread to judge by: the step passes within --tolerance nats of it. Exit status: 0 PASS; 1 FAIL, naming the first
+step out; 2 with one sentence where a reference cannot be compared with the run or is the run, too few references
+hold weights of their own, --data is not the run's, the budget or the held-out text is too small, or the input is
+bad; 3 for any other failure. Written to OUTPUT (default RUN_DIR/replication): the table (replication.md), the
+figures (replication.json) and a PNG of the losses by step.
 """
 
 from __future__ import annotations

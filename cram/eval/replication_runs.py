@@ -53,7 +53,12 @@ def reference_set(size: str, deduped: bool) -> str:
         return (f"{size}-deduped, the one deduplicated-Pile model: no spread to judge by, only a tolerance around it")
     if size in MATCHED_SEEDS:
         return (f"the matched set: {size} and its {MATCHED_SEEDS[size]} seeds that differ from it in the init alone, "
-                "in its data order, which our run reads; a faithful run is one more of them")
+                "in its data order, which our run reads; a faithful run is one more of them. That is assumed: "
+                "EleutherAI/pythia#203 reports that from step 1 on the weight seeds hold one shared init (the data "
+                "seeds'), not each its own, which would make their spread run-to-run noise and fail a faithful run "
+                "early; the check reads step 0 and step 1 of each, leaves out (naming it) a seed that holds "
+                "another's weights, and refuses the set where fewer than two are left: then give PolyPythias' "
+                f"seeds by name ({size} and EleutherAI/{size}-seed1 … seed9), which differ in init and data order")
     if size in SEEDED_SIZES:
         return (f"{size} and PolyPythias' 9 seeds, which differ from it in the init and the data order; our run reads "
                 "the original's order, so the band, made of both kinds of difference, is wider than one of init "
