@@ -181,7 +181,8 @@ pythia-smoke: setup
 # the first step out of the band the seeds' spread gives. REFERENCE=released (the default) is the released seeds of
 # the run's size (released-deduped: its deduplicated-Pile model); else one or more Hub names or folders of stepN
 # revisions; HELDOUT is the held-out text every model scores (a local copy of the Pile's val.jsonl.zst); BUDGET
-# (default 10m) the time the scoring may take; TOKENIZER unset: the run's. E.g.
+# (default 10m) the time the check may take, reading the references' weights included; TOKENIZER unset: the run's.
+# E.g.
 # `make pythia-replicate RUN=runs/pythia-160m-4xa100 DATA=pile/document HELDOUT=pile/val.jsonl.zst STEPS=0,1000,2000`.
 # It needs the install, not DeepSpeed's CPU Adam: scoring trains nothing.
 REFERENCE ?= released
