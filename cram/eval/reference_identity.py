@@ -75,8 +75,8 @@ def weight_digest(weights: Iterable[tuple[str, torch.Tensor]]) -> WeightDigest:
     for name, tensor in weights:
         if tensor.ndim != 2 or not tensor.is_floating_point():
             continue
-        values = tensor.detach().to(torch.float32).contiguous() + 0.0  # −0 + 0 is +0
-        matrices[_canonical(name)] = hashlib.sha256(values.numpy().tobytes()).hexdigest()[:32]
+        values = tensor.detach().to(torch.float32).reshape(-1) + 0.0  # −0 + 0 is +0
+        matrices[_canonical(name)] = hashlib.sha256(memoryview(values.numpy())).hexdigest()[:32]
     return WeightDigest(matrices)
 
 
