@@ -15,9 +15,10 @@ update, where EleutherAI/pythia#203 found pythia-160m's weight seeds all holding
   where ours was still its init, or recording our seed and first batch, it starts from our init (a run of our seed):
   refused among several references, whose spread it would shrink, and noted where it is the one;
 - two references at every step read: a reference given twice: refused; at some steps: the later-given one is left
-  out, named with the steps (EleutherAI/pythia#195, #203 and #205 report released branches like that);
+  out, named with the steps (EleutherAI/pythia#203 reports released branches like that);
 - two revisions of one reference, beyond the early steps: the reference is left out, named with the steps
-  (EleutherAI/pythia#205: pythia-2.8b's steps 0 … 512 and 48000 hold the final model); at the early steps it is
+  (EleutherAI/pythia#205: pythia-2.8b's steps 0 … 512 and 48000 hold the final model; #195: its steps 0 … 6300 hold
+  one model, and so do neox-ckpt-pythia-6.9b-deduped's); at the early steps it is
   expected: the first update of the released models has a learning rate of 0 and fp16's loss scaler skips the
   updates that overflow at the start (EleutherAI/pythia#83: step0 and step1 are the same for every model; #198: step0
   and step2).
