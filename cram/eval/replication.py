@@ -198,8 +198,8 @@ def screening_statement(result: dict) -> str:
              f"{len(screening['largest_z'])} faithful ones with probability 1 − alpha)")
     if screening["left_out"]:
         return f"{found}: the band leaves it out; with it, the verdict would be {outcome}."
-    return (f"{found}: with so few references the band keeps it (leaving one out costs more power than it gives "
-            f"back); without it, the verdict would be {outcome}.")
+    return (f"{found}: with so few references the band keeps it (leaving one of so few out would fail faithful runs "
+            f"more often than alpha); without it, the verdict would be {outcome}.")
 
 
 def power_statement(result: dict) -> str:

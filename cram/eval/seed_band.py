@@ -27,7 +27,8 @@ left out of the band where that |z| is beyond what the farthest of K faithful re
 alpha; the simulation that calibrates c runs the same screening on every simulated set of references, so a faithful
 run still fails with probability alpha, the screening included. With fewer references the farthest one is named when
 it is beyond Bonferroni's bound for K references, and the verdict without it is reported, but the band keeps it:
-leaving one of so few out costs more power than it gives back (docs/benchmarks.md).
+leaving one of so few out, uncalibrated, fails faithful runs more often than alpha, for little power
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
