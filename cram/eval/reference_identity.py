@@ -168,12 +168,12 @@ def _steps_text(steps: list[int]) -> str:
     return ", ".join(map(str, steps))
 
 
-def _agreement(mine: dict[int, WeightDigest], theirs: dict[int, WeightDigest],
-               steps: list[int] | None = None) -> tuple[list[int], list[tuple[int, int]]]:
+def _agreement(mine: dict[int, WeightDigest], theirs: dict[int, WeightDigest]
+               ) -> tuple[list[int], list[tuple[int, int]]]:
     """The steps both read where `mine` and `theirs` hold the same weights, and (step, matrices shared) where they
     share some but not all."""
     same, partly = [], []
-    for step in sorted(set(mine) & set(theirs) if steps is None else steps):
+    for step in sorted(set(mine) & set(theirs)):
         if mine[step].same(theirs[step]):
             same.append(step)
         elif (count := mine[step].shared(theirs[step])) > 0:
@@ -238,7 +238,7 @@ def check_references(records: list[ReferenceRecord]) -> None:
                                        f"{len(record.digests[step].matrices)} weight matrices (a branch serving "
                                        "another step's files)")
     kept = [record for record in records if record.left_out is None]
-    if len(records) > 1 and len(kept) < 2 or not kept:
+    if (len(records) > 1 and len(kept) < 2) or not kept:
         found = "; ".join(f"{record.location} {record.left_out}" for record in records if record.left_out)
         raise UserError(f"cannot judge: {len(kept)} of the {len(records)} references hold weights of their own at the "
                         f"steps read ({found}): give other references, or --steps where they hold their own.")
