@@ -192,7 +192,8 @@ pythia-smoke: setup
 # the first step out of the band the seeds' spread gives. REFERENCE=released (the default) is the released seeds of
 # the run's size (released-deduped: its deduplicated-Pile model); else one or more Hub names or folders of stepN
 # revisions; HELDOUT is the held-out text every model scores (a local copy of the Pile's val.jsonl.zst); BUDGET
-# (default 10m) the time the scoring may take; TOKENIZER unset: the run's. E.g.
+# (default 10m) the time the check may take, reading the references' weights included; TOKENIZER unset: the run's.
+# E.g.
 # `make pythia-replicate RUN=runs/pythia-160m-4xa100 DATA=pile/document HELDOUT=pile/val.jsonl.zst STEPS=0,1000,2000`.
 # It needs the install, not DeepSpeed's CPU Adam: scoring trains nothing.
 REFERENCE ?= released
@@ -205,11 +206,13 @@ pythia-replicate: pythia-data
 		--data $(DATA) --heldout $(HELDOUT) $(if $(filter command line environment,$(origin TOKENIZER)),--tokenizer $(TOKENIZER)) \
 		$(if $(STEPS),--steps $(STEPS)) $(if $(BUDGET),--budget $(BUDGET)) $(if $(DEVICE),--device $(DEVICE))
 
-# The replication verdict against runs whose truth is known: pythia-14m's faithful seeds and departures from its recipe
-# trained on the CPU, each seed checked against the others and each departure against the seeds; a table and
+# The replication verdict against seeds whose truth is known: simulated seeds (false fails and power, heavy tails, an
+# outlying reference: runs/bench-replication/simulated.json), then pythia-14m's faithful seeds and departures from its
+# recipe trained on the CPU, each seed checked against the others and each departure against the seeds; tables and
 # runs/bench-replication/results.json (docs/benchmarks.md: Replication verdict: sensitivity).
 .PHONY: bench-replication
 bench-replication: setup
+	$(BIN)/python -m cram.bench.replication_power --output runs/bench-replication/simulated.json
 	$(BIN)/python -m cram.bench.replication_sensitivity --output-dir runs/bench-replication
 
 # Where the suite's CPU goes: every Python process it starts, by kind and by test module; runs the whole suite, as

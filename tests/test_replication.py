@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,12 +17,14 @@ import launching
 import pytest
 import torch
 from deepspeed_states import STATES as DEEPSPEED_STATES
+from hub_standin import HubStandIn, StoredRepo
 from pile_standin import write_pile_split
 from safetensors.torch import save_file
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from cram.errors import UserError
 from cram.eval import replication
+from cram.eval.reference_identity import weight_digest
 from cram.eval.replication import DEFAULT_ALPHA, DEFAULT_TOLERANCE, compare, phase_verdict, verdict
 from cram.eval.replication_runs import check_comparable, read_run, reference_set, released_references
 from cram.eval.replication_scoring import parse_budget, plan_scoring, scoring_dtype, sequence_losses
@@ -165,6 +168,9 @@ def test_released_names_the_matched_seeds_where_they_exist_else_every_seed_and_t
         f"EleutherAI/pythia-70m-seed{seed}" for seed in range(1, 10)]
     assert released_references("pythia-1b") == ["EleutherAI/pythia-1b"]
     assert "matched set" in reference_set("pythia-160m", False)
+    # What it is assumed to be, what EleutherAI/pythia#203 reports instead, and what the check does then.
+    assert "That is assumed: EleutherAI/pythia#203 reports" in reference_set("pythia-160m", False)
+    assert "refuses the set where fewer than two are left" in reference_set("pythia-160m", False)
     assert "differ from it in the init and the data order" in reference_set("pythia-70m", False)
     assert released_references("pythia-160m", deduped=True) == ["EleutherAI/pythia-160m-deduped"]
 
@@ -193,9 +199,9 @@ RECORDED = {"seq_len": 32, "global_batch_size": 8, "mixed_precision": "no", "pea
 
 
 def fake_run(folder, model: GPTNeoXForCausalLM | GPTNeoXConfig, steps: int = 4, data: str = "pile/document",
-             tokenizer=None, **resolved) -> str:
+             tokenizer=None, seed: int | None = None, **resolved) -> str:
     """A folder laid out as a Pythia run that finished after `steps` steps: its final model (and `tokenizer`, saved
-    beside it as the recipe does), options and summary."""
+    beside it as the recipe does), options (`seed` recorded where given) and summary."""
     if isinstance(model, GPTNeoXConfig):  # a run whose facts alone are read: its config, no weights
         model.save_pretrained(folder / "final")
         model = SimpleNamespace(config=model)
@@ -206,6 +212,8 @@ def fake_run(folder, model: GPTNeoXForCausalLM | GPTNeoXConfig, steps: int = 4, 
     facts = {**RECORDED, "max_steps": steps, "vocab_size": model.config.vocab_size, **resolved}
     options = {"resolved": facts, "training": {"size": "pythia-14m", "data": data,
                                                "tokenizer": None if tokenizer is None else str(folder / "final")}}
+    if seed is not None:
+        options["training"]["seed"] = seed
     (folder / "final" / "cram_options.json").write_text(json.dumps(options))
     (folder / "summary.json").write_text(json.dumps({"optimizer_steps": steps}))
     return str(folder)
@@ -454,7 +462,7 @@ def test_the_run_itself_or_a_seed_given_twice_is_refused(tmp_path, tiny_model):
 @pytest.mark.parametrize("damage, message", [
     (lambda options: options.write_text(options.read_text()[:40]), "is not the record of a run of recipes/pythia.py"),
     (lambda options: options.write_text('{"run": "crammed-bert"}'), "is not the record of a run of recipes/pythia.py"),
-    (lambda options: (options.parent / "model.safetensors").unlink(), "cannot read the model of"),
+    (lambda options: (options.parent / "model.safetensors").unlink(), "seed2 keeps no weights at step4"),
 ])
 def test_a_damaged_reference_is_refused_in_one_sentence(tmp_path, small_data, damage, message):
     ours = fake_run(tmp_path / "ours", small_model(0), tokenizer=small_data.tokenizer)
@@ -496,8 +504,8 @@ def test_another_tokenizer_than_the_runs_own_is_refused(tmp_path, small_data):
 def test_a_budget_that_affords_too_few_sequences_is_refused_naming_the_budget_needed(tmp_path, small_data):
     ours = fake_run(tmp_path / "ours", small_model(0), tokenizer=small_data.tokenizer)
     seed = fake_run(tmp_path / "seed", small_model(1), tokenizer=small_data.tokenizer)
-    with pytest.raises(UserError, match=r"--budget 0.001s affords 0 held-out sequences, fewer than the 32 .* give "
-                                        r"--budget \d+s or more"):
+    with pytest.raises(UserError, match=r"--budget 0.001s affords 0 held-out sequences after \d+ s reading the "
+                                        r"references' weights, fewer than the 32 .* give --budget \d+s or more"):
         replication.main([ours, "--reference", seed, "--data", small_data.prefix, "--heldout", small_data.heldout,
                           "--budget", "0.001s"])
 
@@ -530,3 +538,240 @@ def test_a_hub_repository_of_runs_is_compared_by_its_recorded_facts_not_as_a_rel
                                         "lab/pythia-tiny's 0.0"):
         check_comparable(read_run(Path(ours)), ["lab/pythia-tiny"], [hub], 4, Revisions(ours))
     assert pushed
+
+
+@pytest.fixture(autouse=True)
+def digest_cache(tmp_path, monkeypatch) -> Path:
+    """Each test's own digest cache ($CRAM_CACHE/replication), not the user's."""
+    monkeypatch.setenv("CRAM_CACHE", str(tmp_path / "cram-cache"))
+    return tmp_path / "cram-cache" / "replication" / "weight-digests.json"
+
+
+def revision_run(folder: Path, tokenizer, init: int, moves: int, steps=(0, 1, 8), seed: int | None = None,
+                 noise: float = 0.01, **recorded) -> str:
+    """A run that kept revisions at `steps`: the init small_model(`init`) at steps 0 and 1 (the first update at learning
+    rate 0), each later step moved from it by noise drawn from `moves` and the step; its final model the last."""
+    revisions = []
+    for step in steps:
+        model = small_model(init)
+        if step > 1:
+            generator = torch.Generator().manual_seed(1000 * moves + step)
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.add_(torch.randn(parameter.shape, generator=generator) * noise)
+        revisions.append(model)
+    fake_run(folder, revisions[-1], steps=steps[-1], tokenizer=tokenizer, seed=seed, **recorded)
+    for step, model in zip(steps, revisions, strict=True):
+        model.save_pretrained(folder / "revisions" / f"step{step}")
+        shutil.copy(folder / "final" / "cram_options.json", folder / "revisions" / f"step{step}")
+    return str(folder)
+
+
+def check(ours: str, references: list[str], small_data, output: Path, *options: str) -> tuple[int, dict]:
+    arguments = [ours, *(part for reference in references for part in ("--reference", reference)),
+                 "--data", small_data.prefix, "--heldout", small_data.heldout, "--sequences", "8",
+                 "--tolerance", "100", "--output", str(output), *options]
+    status = replication.main(arguments)
+    return status, json.loads((output / "replication.json").read_text())
+
+
+def test_our_run_under_any_other_path_is_refused_by_what_it_holds(tmp_path, small_data):
+    ours = revision_run(tmp_path / "ours", small_data.tokenizer, 0, 0)
+    seed = revision_run(tmp_path / "seed", small_data.tokenizer, 1, 1)
+    copy = shutil.copytree(ours, tmp_path / "copy")  # a copy of the run folder: another path, the same weights
+    for reference in (str(copy), f"{ours}/revisions"):
+        with pytest.raises(UserError, match=f"the reference {reference} holds our run's weights at step 8 "):
+            check(ours, [reference], small_data, tmp_path / "out")
+    # A seed given twice, as its run and as its revisions: the same weights at every step read.
+    with pytest.raises(UserError, match=f"the references {seed} and {seed}/revisions hold the same weights at every "
+                                        r"step read \(0, 1, 8\): a reference given twice"):
+        check(ours, [seed, f"{seed}/revisions"], small_data, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_run_of_our_seed_is_refused_among_several_references_and_noted_as_the_one(tmp_path, small_data):
+    ours = revision_run(tmp_path / "ours", small_data.tokenizer, 0, 0)
+    seed = revision_run(tmp_path / "seed", small_data.tokenizer, 1, 1)
+    twin = revision_run(tmp_path / "twin", small_data.tokenizer, 0, 5)  # our init, trained otherwise
+    with pytest.raises(UserError, match=f"the reference {twin} starts from our run's init \\(it holds our run's "
+                                        r"weights at step 0, 1\)"):
+        check(ours, [seed, twin], small_data, tmp_path / "out")
+    status, result = check(ours, [twin], small_data, tmp_path / "one")
+    assert status == 0 and "starts from our run's init" in result["references_read"][0]["note"]
+    # Another init that records our seed and first batch is a run of our seed too, among several.
+    from cram.data.causal import first_batch_fingerprint, load_causal_data
+
+    small_data.tokenizer.save_pretrained(tmp_path / "tokenizer")
+    digest = first_batch_fingerprint(load_causal_data(small_data.prefix, 32, 320, str(tmp_path / "tokenizer"), None,
+                                                      8 * 8).sequences, 8)
+    ours = revision_run(tmp_path / "ours-seeded", small_data.tokenizer, 0, 0, seed=7, first_batch=digest)
+    others = [revision_run(tmp_path / f"seeded{init}", small_data.tokenizer, init, init, seed=seed,
+                           first_batch=digest) for init, seed in ((1, 8), (2, 7))]
+    with pytest.raises(UserError, match=rf"the reference {others[1]} starts from our run's init \(it records our "
+                                        r"seed \(7\) and first batch\)"):
+        check(ours, others, small_data, tmp_path / "out")
+
+
+def test_a_reference_holding_anothers_weights_is_left_out_naming_why(tmp_path, small_data):
+    ours = revision_run(tmp_path / "ours", small_data.tokenizer, 0, 0)
+    first = revision_run(tmp_path / "first", small_data.tokenizer, 1, 1)
+    second = revision_run(tmp_path / "second", small_data.tokenizer, 2, 2)
+    # EleutherAI/pythia#203's pattern: an init of its own at step 0, the first reference's weights at step 1.
+    odd = revision_run(tmp_path / "odd", small_data.tokenizer, 3, 3)
+    shutil.rmtree(Path(odd) / "revisions" / "step1")
+    shutil.copytree(Path(first) / "revisions" / "step1", Path(odd) / "revisions" / "step1")
+    status, result = check(ours, [first, second, odd], small_data, tmp_path / "out", "--steps", "8")
+    assert result["references"] == [first, second] and len(result["rows"][0]["references"]) == 2
+    (left_out,) = [record for record in result["references_read"] if record["left_out"]]
+    assert left_out["location"] == odd and left_out["left_out"] == f"holds the same weights as {first} at step 1"
+    assert f"| {odd} | — |" in (tmp_path / "out" / "replication.md").read_text()
+    # Two of three left out: too few to judge by.
+    with pytest.raises(UserError, match=r"cannot judge: 1 of the 2 references hold weights of their own"):
+        check(ours, [first, odd], small_data, tmp_path / "too-few", "--steps", "8")
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_revision_holding_another_steps_weights_is_left_out(tmp_path, small_data, whole):
+    # EleutherAI/pythia#205 (a branch serving the final model whole) and #206 (its first shard alone).
+    steps = (0, 1, 8, 16)
+    ours = revision_run(tmp_path / "ours", small_data.tokenizer, 0, 0, steps)
+    seeds = [revision_run(tmp_path / f"seed{seed}", small_data.tokenizer, seed, seed, steps) for seed in (1, 2, 3)]
+    served = Path(seeds[2]) / "revisions"
+    if whole:
+        shutil.rmtree(served / "step8")
+        shutil.copytree(served / "step16", served / "step8")
+    else:
+        model = GPTNeoXForCausalLM.from_pretrained(served / "step8")
+        final = GPTNeoXForCausalLM.from_pretrained(served / "step16")
+        model.gpt_neox.embed_in.weight.data.copy_(final.gpt_neox.embed_in.weight.data)
+        model.save_pretrained(served / "step8")
+    status, result = check(ours, seeds, small_data, tmp_path / "out", "--steps", "0,8,16")
+    (left_out,) = [record for record in result["references_read"] if record["left_out"]]
+    expected = ("its revisions step8 and step16 hold the same weights" if whole
+                else "its revision step16 holds 1 of step8's 10 weight matrices")
+    assert left_out["location"] == seeds[2] and left_out["left_out"].startswith(expected), left_out
+    # Step 0 and step 1 of one run hold the same weights, as expected: nothing is left out for that.
+    assert all(not record["left_out"] for record in result["references_read"][:2])
+    with pytest.raises(UserError, match=f"cannot judge: 0 of the 1 references .*{seeds[2]} its revision"):
+        check(ours, [seeds[2]], small_data, tmp_path / "alone", "--steps", "0,8,16")
+
+
+@pytest.mark.parametrize("summary, message", [
+    ('{"optimizer_steps": ', r"cannot read .*summary.json \(JSONDecodeError\)"),
+    ('{"optimizer_steps": "8"}', r"summary.json records optimizer_steps '8', not a count of steps"),
+    ('[8]', r"cannot read .*summary.json \(TypeError\)"),
+])
+@pytest.mark.parametrize("whose", ["ours", "seed"])
+def test_a_damaged_summary_anywhere_is_refused_in_one_sentence(tmp_path, small_data, summary, message, whose):
+    runs = {name: revision_run(tmp_path / name, small_data.tokenizer, seed, seed)
+            for seed, name in enumerate(("ours", "seed"))}
+    (Path(runs[whose]) / "summary.json").write_text(summary)
+    with pytest.raises(UserError, match=message):
+        check(runs["ours"], [runs["seed"]], small_data, tmp_path / "out")
+
+
+@pytest.mark.parametrize("reference", ["", "  "])
+def test_an_empty_reference_is_refused_naming_it(tmp_path, tiny_model, reference):
+    ours = fake_run(tmp_path / "ours", tiny_model)
+    with pytest.raises(UserError, match=f"--reference {reference!r} names nothing"):
+        replication.main([ours, "--reference", reference, "--data", "unread", "--heldout", "unread"])
+
+
+def test_held_out_text_shorter_than_the_sequences_needed_is_refused_naming_how_many(tmp_path, small_data,
+                                                                                  english_texts):
+    ours = revision_run(tmp_path / "ours", small_data.tokenizer, 0, 0)
+    seed = revision_run(tmp_path / "seed", small_data.tokenizer, 1, 1)
+    document = english_texts[40][:240]  # one document of a few sequences
+    short = write_pile_split(tmp_path / "one.jsonl.zst", [document])
+    tokens = len(small_data.tokenizer(document)["input_ids"]) + 1  # and <|endoftext|>
+    held = tokens // 33
+    assert 0 < held < 8
+    for budget in (["--budget", "1h"], ["--sequences", "8"]):
+        needed = 32 if budget[0] == "--budget" else 8
+        with pytest.raises(UserError, match=f"{short} holds {held} held-out sequences of 33 tokens \\(1 documents\\), "
+                                            f"fewer than the {needed} the scoring needs"):
+            replication.main([ours, "--reference", seed, "--data", small_data.prefix, "--heldout", str(short),
+                              "--output", str(tmp_path / "out"), *budget])
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_revisions_digest_is_of_its_weight_values_as_read():
+    weights = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    weights[0, 0] = 0.0
+    flipped = weights.clone()
+    flipped[0, 0] = -0.0  # EleutherAI/pythia#203: branches that differ in signed zeros alone
+    digest = weight_digest([("gpt_neox.embed_in.weight", weights), ("gpt_neox.final_layer_norm.bias", torch.zeros(3))])
+    assert list(digest.matrices) == ["gpt_neox.embed_in.weight"]  # the matrices, not the 1-D weights
+    assert digest.same(weight_digest([("module.gpt_neox.embed_in.weight", flipped)]))  # DDP's name, −0
+    half = weights.half()
+    assert weight_digest([("w", half)]).same(weight_digest([("w", half.float())]))  # fp16 read as its values
+    assert not weight_digest([("w", half)]).same(weight_digest([("w", weights)]))  # rounded: other values
+    assert weight_digest([("w", weights), ("v", weights + 1)]).shared(weight_digest([("x", weights)])) == 1
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    """A Hub stand-in the check's process talks to, with a Hub cache of the test's own."""
+    from huggingface_hub import constants, hf_api
+
+    with HubStandIn() as stand_in:
+        monkeypatch.setattr(constants, "ENDPOINT", stand_in.endpoint)  # what HF_ENDPOINT sets as it loads
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                            stand_in.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+        monkeypatch.setattr(hf_api.api, "endpoint", stand_in.endpoint)
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+        yield stand_in
+
+
+def pushed(hub: HubStandIn, repo: str, run: str) -> None:
+    """`run`'s revisions as the Hub repository `repo`'s stepN branches."""
+    revisions = sorted((Path(run) / "revisions").iterdir())
+    hub.repos[repo] = StoredRepo(private=False, branches={"main": {}} | {
+        revision.name: {file.name: file.read_bytes() for file in revision.iterdir()} for revision in revisions},
+        commits={"main": []} | {revision.name: [f"{revision.name}"] for revision in revisions})
+
+
+def test_the_digests_of_hub_revisions_found_good_are_kept_for_the_next_check(tmp_path, small_data, hub,
+                                                                           digest_cache):
+    ours = revision_run(tmp_path / "ours", small_data.tokenizer, 0, 0)
+    for seed in (1, 2):
+        pushed(hub, f"lab/seed{seed}", revision_run(tmp_path / f"seed{seed}", small_data.tokenizer, seed, seed))
+    references = ["lab/seed1", "lab/seed2"]
+    status, result = check(ours, references, small_data, tmp_path / "first", "--steps", "8")
+    assert status == 0 and [record["digests_from_cache"] for record in result["references_read"]] == [[], []]
+    assert [list(record["weights"]) for record in result["references_read"]] == [["0", "1", "8"]] * 2
+    assert len(json.loads(digest_cache.read_text())) == 6  # two references, three revisions each
+    requests = len(hub.requests)
+    status, again = check(ours, references, small_data, tmp_path / "second", "--steps", "8")
+    assert [record["digests_from_cache"] for record in again["references_read"]] == [[0, 1, 8], [0, 1, 8]]
+    assert again["references_read"] == [{**record, "digests_from_cache": [0, 1, 8]}
+                                        for record in result["references_read"]]
+    # Steps 0 and 1, read only to verify, are not asked for again; step 8, scored, is.
+    asked = [request.path for request in hub.requests[requests:] if "/resolve/" in request.path]
+    commits = {step: {hub.head(reference, f"step{step}") for reference in references} for step in (0, 1, 8)}
+    assert not [path for path in asked if path.split("/")[4] in commits[0] | commits[1]], asked
+    assert [path for path in asked if path.split("/")[4] in commits[8]], asked
+    # A reference left out is not remembered: its digests are read again next time.
+    pushed(hub, "lab/odd", revision_run(tmp_path / "odd", small_data.tokenizer, 3, 3))
+    hub.repos["lab/odd"].branches["step1"] = dict(hub.repos["lab/seed1"].branches["step1"])
+    hub.repos["lab/odd"].commits["step1"].append("step1 of lab/seed1")
+    status, result = check(ours, [*references, "lab/odd"], small_data, tmp_path / "third", "--steps", "8")
+    assert result["references_read"][2]["left_out"] == "holds the same weights as lab/seed1 at step 1"
+    assert not [key for key in json.loads(digest_cache.read_text()) if key.startswith("lab/odd@")]
+
+
+def test_a_far_reference_is_named_in_the_report_with_the_verdict_without_it(tmp_path, small_data):
+    ours = revision_run(tmp_path / "ours", small_data.tokenizer, 0, 0)
+    seeds = [revision_run(tmp_path / f"seed{seed}", small_data.tokenizer, seed, seed) for seed in (1, 2, 3)]
+    far = revision_run(tmp_path / "far", small_data.tokenizer, 4, 4, noise=0.5)  # trained far from the others
+    status, result = check(ours, [*seeds, far], small_data, tmp_path / "out", "--steps", "8")
+    screening = result["screening"]
+    assert screening["far"] == far and screening["largest_z"][far] > screening["bound"] > max(
+        screening["largest_z"][seed] for seed in seeds)
+    # Four references: named, kept in the band, and the verdict without it given beside.
+    assert not screening["left_out"] and screening["other"]["references"] == seeds
+    assert result["band_references"] == [*seeds, far]
+    assert f"{far} is far from the other references" in result["verdict"]
+    assert "the band keeps it" in result["verdict"] and "without it, the verdict would be" in result["verdict"]
+    assert "Leave-one-out screening" in (tmp_path / "out" / "replication.md").read_text()

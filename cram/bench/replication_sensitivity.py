@@ -1,7 +1,7 @@
 """Benchmark: the replication verdict against runs whose truth is known, pythia-14m trained on the CPU.
 
     python -m cram.bench.replication_sensitivity [--seeds 8] [--departures half-lr,double-lr,...|all] [--jobs 2]
-        [--output-dir runs/bench-replication] [--reuse-runs] [--simulated-only] [--trials 300]
+        [--output-dir runs/bench-replication] [--reuse-runs]
 
 The data: the embedded corpus's documents in one fixed shuffle; the first ones are the training set (a byte-level
 BPE trained on them, and their tokens as a document-level Megatron file), the next ones, which no run sees, the
@@ -10,9 +10,10 @@ held-out file in the layout of the Pile's split (val.jsonl.zst: zstandard-compre
 
 The runs: recipes/pythia.py, pythia-14m in fp32 on one process, small sequences and batch, a --max-steps schedule
 long enough to pass step 512, its revisions kept at some of Pythia's checkpoint steps up to 512 and at late steps
-after: faithful seeds 1 … S, and departures from the recipe, each trained from seed 1. A departure the recipe has a
-flag for is that flag (--lr, --global-batch-size); one it has none for (no warm-up, GPT-NeoX's default init) replaces
-a field of the recipe's or the size table's row in the process that runs it, and nothing else.
+after: faithful seeds 1 … S, and departures from the recipe, each trained from seed S (the seed left out of the
+departures' references, whose init a reference must not share). A departure the recipe has a flag for is that flag
+(--lr, --global-batch-size); one it has none for (no warm-up, GPT-NeoX's default init) replaces a field of the
+recipe's or the size table's row in the process that runs it, and nothing else.
 
 The check (python -m cram.eval.replication, every step the runs kept, a fixed number of held-out sequences so that a
 rerun scores the same text):
@@ -21,10 +22,8 @@ rerun scores the same text):
 - each departure against seeds 1 … K: whether it fails, first at which step, early (≤ 512) or late, its z-scores;
   half the global batch cannot be compared, and must be refused (exit 2).
 
-Before any of that, a simulated part (seconds to minutes; --simulated-only stops there): seeds' mean losses drawn at
-the default steps with the steps correlated, one more run judged by cram.eval.seed_band as the check judges it, the
-false-fail rate and the detection rate by departure size (in seed spreads) at K = 10 and at pythia-160m's matched
-K = 4.
+The verdict's false fails and power on simulated seeds are cram.bench.replication_power's (`make bench-replication`
+runs it first).
 
 Commands run in --jobs worker processes, each in-process as `python SCRIPT` or `python -m MODULE` runs it (the
 interpreter and its imports start once a worker, not once a command), one thread each. A table goes to stdout,
@@ -337,63 +336,6 @@ def machine() -> dict:
     return {"cpu": model, "cores": os.cpu_count(), "load_average": os.getloadavg()}
 
 
-# The simulated part: seeds' mean losses drawn at the default steps with the steps equally correlated, one more run
-# judged against K of them by cram.eval.seed_band as the check judges it.
-SIMULATED_STEPS = 6  # as many as cram.eval.seed_band.default_steps picks from Pythia's 154
-SIMULATED_CORRELATIONS = (0.5, 0.9, 0.99)
-SIMULATED_DEPARTURES = (2.0, 3.0, 4.0, 6.0)  # seed spreads, at every step judged
-SIMULATED_REFERENCES = (10, 4)  # PolyPythias' ten seeds of a size; pythia-160m's matched set (original + 3)
-
-
-def simulated_fail_rate(references: int, steps: int, correlation: float, departure: float, trials: int,
-                        alpha: float = 0.05, at_steps: tuple[int, ...] | None = None, seed: int = 0) -> float:
-    """The share of `trials` in which one more run, `departure` seed spreads off at `at_steps` (unset: every step),
-    fails against `references` seeds, all drawn with each pair of steps correlated `correlation`; each trial's
-    critical value found as the check finds it (calibrated or Bonferroni)."""
-    import numpy as np
-    import torch
-
-    from cram.eval.seed_band import judge_steps
-
-    generator = np.random.default_rng(seed)
-    covariance = np.full((steps, steps), correlation) + np.eye(steps) * (1 - correlation)
-    root = np.linalg.cholesky(covariance)
-    shift = np.zeros(steps)
-    shift[list(range(steps) if at_steps is None else at_steps)] = departure
-    fails = 0
-    for _ in range(trials):
-        drawn = generator.standard_normal((references + 1, steps)) @ root.T
-        ours = [torch.tensor([value]) for value in drawn[references] + shift]
-        seeds = [torch.tensor(drawn[:references, step:step + 1]) for step in range(steps)]
-        judgements, _ = judge_steps(ours, seeds, alpha, 0.1)
-        fails += not all(judgement.passed for judgement in judgements)
-    return fails / trials
-
-
-def simulated_rates(trials: int = 300) -> dict:
-    """False-fail rates and detection rates by departure size, at each K and step correlation simulated."""
-    rates = {}
-    for references in SIMULATED_REFERENCES:
-        for correlation in SIMULATED_CORRELATIONS:
-            row = {"faithful": simulated_fail_rate(references, SIMULATED_STEPS, correlation, 0.0, trials)}
-            for departure in SIMULATED_DEPARTURES:
-                row[f"{departure:g}"] = simulated_fail_rate(references, SIMULATED_STEPS, correlation, departure,
-                                                            trials, seed=1)
-            row["6 at the last step only"] = simulated_fail_rate(references, SIMULATED_STEPS, correlation, 6.0,
-                                                                  trials, at_steps=(SIMULATED_STEPS - 1,), seed=2)
-            rates[f"K={references}, correlation {correlation:g}"] = row
-    return rates
-
-
-def print_simulated(rates: dict, trials: int) -> None:
-    columns = list(next(iter(rates.values())))
-    print(f"simulated: {trials} trials each, {SIMULATED_STEPS} steps; fail rate of a faithful run and of one "
-          "departing by this many seed spreads at every step")
-    print(f"{'':<28}" + "".join(f"{column:>26}" for column in columns))
-    for name, row in rates.items():
-        print(f"{name:<28}" + "".join(f"{row[column]:>26.3f}" for column in columns))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=8,
@@ -407,18 +349,10 @@ def main() -> None:
     parser.add_argument("--reuse-runs", action="store_true",
                         help="keep the data and the runs a previous call finished here, and check them again")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--simulated-only", action="store_true",
-                        help="only the simulated part (seconds): false-fail and detection rates of the verdict")
-    parser.add_argument("--trials", type=int, default=300, help="trials of each simulated rate")
     args = parser.parse_args()
     if args.worker is not None:
         worker(args.worker)
         return
-    simulated = simulated_rates(args.trials)
-    print_simulated(simulated, args.trials)
-    if args.simulated_only:
-        return
-    print()
     known = departures(BENCH_SCALE)
     chosen = list(known) if args.departures == "all" else [name.strip() for name in args.departures.split(",")]
     unknown = [name for name in chosen if name not in known]
@@ -446,8 +380,10 @@ def sensitivity(scale: Scale, seeds: int, chosen: list[Departure], jobs: int, ou
     build_index(data, scale)
     report["seconds"]["data"] = time.perf_counter() - started
 
+    # A departure starts from the init of the seed left out of its references: a run of a reference's seed would
+    # share its init, which the check refuses among several references.
     runs = {f"seed{seed}": (seed, None) for seed in range(1, seeds + 1)}
-    runs.update({departure.name: (1, departure) for departure in chosen})
+    runs.update({departure.name: (seeds, departure) for departure in chosen})
     training = [Task(name, recipe_command(data, scale, seed, runs_folder / name, departure),
                      output_dir / "logs" / f"train-{name}.log", departure,
                      cost=float(departure.options.get("--global-batch-size", scale.global_batch_size))

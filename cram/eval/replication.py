@@ -19,17 +19,26 @@ init alone (its data order, which our run reads), for pythia-14m … 410m the or
 seeds, else the original alone; `released-deduped` the deduplicated Pile's model (one a size). Every reference,
 whatever its kind, goes through one comparability check (`check_comparable`): size, vocabulary and tokenizer,
 arithmetic, learning rate, weight decay, schedule, batch and length, the data's deduplication as recorded when it was
-prepared, and another run's first batch; the run itself or a reference given twice is refused.
+prepared, and another run's first batch. Then every reference is known by what it holds
+(`cram.eval.reference_identity`): the digest of its weights at each step judged and at steps 0 and 1, read before
+any scoring, its time taken from the budget. Our run under another path (a copy, its revisions), a run of our seed
+among several references, and a reference given twice under any path are refused; a reference that holds another's
+weights at some step, or whose revisions hold another step's weights, is left out and named with the reason (the
+released branches EleutherAI/pythia#195, #203, #205 and #206 report), and the check is refused where too few are
+left.
 
 The verdict (`cram.eval.seed_band`): with several references, a step passes where our loss lies within the
 prediction interval of one more seed from the references' mean and spread there (Student t), the critical value set
 so that a faithful run fails anywhere among the steps judged with probability --alpha (calibrated on the references'
 own correlation between steps, or Bonferroni's with few references); each step gets a z-score and the smallest
-departure it would catch, and the early steps (≤ 512) and the late ones get verdicts of their own. With one
-reference there is no spread to judge by: the step passes within --tolerance nats of it. Exit status: 0 PASS; 1
-FAIL, naming the first step out; 2 with one sentence where a reference cannot be compared with the run, --data is
-not the run's, the budget is too small, or the input is bad; 3 for any other failure. Written to OUTPUT (default
-RUN_DIR/replication): the table (replication.md), the figures (replication.json) and a PNG of the losses by step.
+departure it would catch, and the early steps (≤ 512) and the late ones get verdicts of their own. Each reference is
+screened against the others, leave-one-out: one far from them is named, with the verdict with and without it, and
+with 8 or more references the band leaves it out (the calibration allowing for it). With one reference there is no
+spread to judge by: the step passes within --tolerance nats of it. Exit status: 0 PASS; 1 FAIL, naming the first
+step out; 2 with one sentence where a reference cannot be compared with the run or is the run, too few references
+hold weights of their own, --data is not the run's, the budget or the held-out text is too small, or the input is
+bad; 3 for any other failure. Written to OUTPUT (default RUN_DIR/replication): the table (replication.md), the
+figures (replication.json) and a PNG of the losses by step.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -48,6 +58,7 @@ from cram.data.causal import first_batch_fingerprint, load_causal_data
 from cram.data.heldout import HeldOut, heldout_sequences
 from cram.errors import UserError, run_cli
 from cram.eval.continued_runs import judge_after_continuation
+from cram.eval.reference_identity import verify_references
 from cram.eval.replication_report import write_report
 from cram.eval.replication_runs import RunFacts, check_comparable, check_data, choose_steps, expand_references, read_run
 from cram.eval.replication_scoring import (
@@ -61,7 +72,7 @@ from cram.eval.replication_scoring import (
     sequence_losses,
 )
 from cram.eval.run_models import Revisions
-from cram.eval.seed_band import EARLY_STEPS_END, judge_steps
+from cram.eval.seed_band import EARLY_STEPS_END, Judged, judge_steps
 from cram.models.pythia_model import weight_type
 
 # The activation the released models trained with: every pythia-*.yml sets "bias-gelu-fusion": true, GPT-NeoX v1.0's
@@ -123,7 +134,8 @@ def compare(
         if step == 0:
             init = {"ours": init_stds(our_model), "reference": init_stds(first_reference)}
         del our_model, first_reference
-    judgements, method = judge_steps(our_scores, reference_scores, alpha, tolerance)
+    judged = judge_steps(our_scores, reference_scores, alpha, tolerance)
+    judgements, method = judged.judgements, judged.method
     for row, judgement in zip(rows, judgements, strict=True):
         row.update({"ours": judgement.ours, "mean": judgement.mean, "spread": judgement.spread,
                     "scoring_error": judgement.scoring_error, "z": judgement.z, "critical": judgement.critical,
@@ -147,11 +159,48 @@ def compare(
               "rows": rows, "passed": failed is None, "first_failed_step": None if failed is None else failed["step"],
               "phases": {name: phase_verdict([row for row in rows if row["early"] == early])
                          for name, early in (("early", True), ("late", False))}}
+    result["screening"] = screening_summary(judged, [reference.location for reference in references], steps)
+    result["band_references"] = [references[index].location for index in judged.kept]
     result["power"] = power_statement(result)
     if init is not None:
         result["init_std"] = init
     result["verdict"] = verdict(result)
     return result
+
+
+def screening_summary(judged: Judged, locations: list[str], steps: list[int]) -> dict | None:
+    """Each reference's largest leave-one-out |z| against the others, the far one (where one is) and whether the band
+    left it out, and the verdict the other way: with it where the band left it out, without it where it kept it."""
+    screening = judged.screening
+    if screening is None:
+        return None
+    summary = {"largest_z": dict(zip(locations, screening.largest, strict=True)), "bound": screening.bound,
+               "far": None if screening.far is None else locations[screening.far], "left_out": False, "other": None}
+    if screening.far is None:
+        return summary
+    summary["left_out"] = screening.far not in judged.kept
+    other = judged.other
+    failed = next((step for step, judgement in zip(steps, other, strict=True) if not judgement.passed), None)
+    summary["other"] = {"references": [locations[index] for index in judged.other_kept],
+                        "critical": other[0].critical, "z": [judgement.z for judgement in other],
+                        "passed": failed is None, "first_failed_step": failed}
+    return summary
+
+
+def screening_statement(result: dict) -> str:
+    """What the screening found, in a sentence: the far reference and the verdict with and without it."""
+    screening = result.get("screening")
+    if not screening or screening["far"] is None:
+        return ""
+    far, other = screening["far"], screening["other"]
+    outcome = "PASS" if other["passed"] else f"FAIL at step {other['first_failed_step']}"
+    found = (f"{far} is far from the other references (largest leave-one-out |z| "
+             f"{screening['largest_z'][far]:.2f}, where {screening['bound']:.2f} bounds the farthest of "
+             f"{len(screening['largest_z'])} faithful ones with probability 1 − alpha)")
+    if screening["left_out"]:
+        return f"{found}: the band leaves it out; with it, the verdict would be {outcome}."
+    return (f"{found}: with so few references the band keeps it (leaving one of so few out would fail faithful runs "
+            f"more often than alpha); without it, the verdict would be {outcome}.")
 
 
 def power_statement(result: dict) -> str:
@@ -195,6 +244,8 @@ def verdict(result: dict) -> str:
     phases_text = "; ".join(phases)
     power = result.get("power", "")
     weak = f" This verdict is {power}." if power.startswith("weak") else ""
+    if screened := screening_statement(result):
+        weak += f" {screened}"
     if result["passed"]:
         steps = ", ".join(str(row["step"]) for row in rows)
         return (f"PASS: at every step compared ({steps}) our held-out loss lies within {result['bounds']} "
@@ -304,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     ours = Revisions(args.run_dir)
     continued = judge_after_continuation(ours, Path(args.run_dir))  # a run continued from step N: after N
     steps, skipped = choose_steps(ours, references, parse_steps(args.steps))
-    check_comparable(run, locations, references, steps[0], ours)
+    recorded = check_comparable(run, locations, references, steps[0], ours)
     # The run's data exactly as the run read it (its index sized by its own steps × batch) with its own tokenizer,
     # checked by its first batch; the next-batch column reads the batch of each step from it, and the held-out text
     # is tokenized with the same tokenizer.
@@ -312,20 +363,39 @@ def main(argv: list[str] | None = None) -> int:
                             None, run.max_steps * run.global_batch_size)
     check_data(run, args.data, first_batch_fingerprint(data.sequences, run.global_batch_size))
 
+    # The references known by what they hold, before any scoring: our run under another path and a reference given
+    # twice refused, a reference holding another's weights (or a branch another step's) left out. Its time, the
+    # downloads included, comes out of the budget.
+    started = time.perf_counter()
+    records = verify_references(ours, references, steps, run.seed, run.first_batch,
+                                [(facts.seed, facts.first_batch) for facts in recorded])
+    verification_seconds = time.perf_counter() - started
+    kept = [index for index, record in enumerate(records) if record.left_out is None]
+    for record in records:
+        if record.left_out:
+            print(f"left out: {record.location} {record.left_out}", flush=True)
+    references, locations = [references[index] for index in kept], [locations[index] for index in kept]
+
     probe = heldout_sequences(args.heldout, data.tokenizer, run.seq_len, args.micro_batch_size).sequences
     models = len(steps) * (len(references) + 1)
     plan = plan_scoring(lambda: ours.load(steps[0]), probe, models=models, extra_sequences=2 * len(steps),
-                        budget_seconds=budget_seconds, sequences=args.sequences,
+                        budget_seconds=budget_seconds - verification_seconds, sequences=args.sequences,
                         micro_batch_size=args.micro_batch_size, device=device, dtype=dtype,
                         load_reference=lambda: references[0].load(steps[0]),
                         reference_loads=len(steps) * len(references))
     if args.sequences is None and plan.sequences < MIN_HELDOUT_SEQUENCES:
-        raise UserError(f"--budget {args.budget} affords {plan.sequences} held-out sequences, fewer than the "
+        raise UserError(f"--budget {args.budget} affords {plan.sequences} held-out sequences after "
+                        f"{format_seconds(verification_seconds)} reading the references' weights, fewer than the "
                         f"{MIN_HELDOUT_SEQUENCES} that keep the scoring's error small next to the seeds' spread: give "
-                        f"--budget {math.ceil(plan.predicted_seconds(MIN_HELDOUT_SEQUENCES))}s or more "
-                        f"({models} model loads, downloads included, and {MIN_HELDOUT_SEQUENCES} sequences each).")
+                        f"--budget {math.ceil(verification_seconds + plan.predicted_seconds(MIN_HELDOUT_SEQUENCES))}s "
+                        f"or more ({models} model loads, downloads included, and {MIN_HELDOUT_SEQUENCES} sequences "
+                        "each).")
     heldout = heldout_sequences(args.heldout, data.tokenizer, run.seq_len, plan.sequences)
     count = len(heldout.sequences)
+    if count < min(plan.sequences, MIN_HELDOUT_SEQUENCES):
+        raise UserError(f"{args.heldout} holds {count} held-out sequences of {run.seq_len + 1} tokens "
+                        f"({heldout.documents} documents), fewer than the {min(plan.sequences, MIN_HELDOUT_SEQUENCES)} "
+                        "the scoring needs: give a longer held-out file, e.g. the Pile's validation split.")
     next_batches = {}
     for step in steps:
         first = step * run.global_batch_size
@@ -344,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                      device=device, dtype=dtype, micro_batch_size=args.micro_batch_size, reference_set=reference_set)
     result["skipped_steps"] = skipped
     result["continued"] = continued
+    result["references_read"] = [record.as_json() for record in records]
+    result["verification_seconds"] = verification_seconds
     result["predicted_seconds"] = plan.predicted_seconds(count)
     output = Path(args.output) if args.output else run.folder / "replication"
     write_report(result, output)

@@ -34,6 +34,7 @@ def write_report(result: dict, output: Path) -> None:
         lines.append(f"| {row['step']} | {row['ours']:.4f} | {references} | {error} | {z} | "
                      f"{row['low']:.4f} … {row['high']:.4f} | {caught} | {'pass' if row['passed'] else 'FAIL'} | "
                      f"{nearby} |")
+    lines += _references_read(result)
     if result.get("skipped_steps"):
         lines += ["", f"Steps of our run not judged (--steps names those to judge; each reference must have them): "
                       f"{', '.join(map(str, result['skipped_steps']))}."]
@@ -70,6 +71,32 @@ def write_report(result: dict, output: Path) -> None:
     finally:
         plt.close(figure)
         staging.unlink(missing_ok=True)
+
+
+def _references_read(result: dict) -> list[str]:
+    """The references by what they hold (the digest of their weights at each step read, what they recorded), those
+    left out and why, and the leave-one-out screening."""
+    records = result.get("references_read")
+    lines = []
+    if records:
+        lines += ["", "| reference | recorded seed | weights read (step: digest) | verdict uses it |",
+                  "|---|---|---|---|"]
+        for record in records:
+            weights = ", ".join(f"{step}: {digest}" for step, digest in record["weights"].items())
+            if record["digests_from_cache"]:
+                weights += f" (steps {', '.join(map(str, record['digests_from_cache']))} from the digest cache)"
+            use = f"no: {record['left_out']}" if record["left_out"] else "yes"
+            if record["note"]:
+                use += f"; it {record['note']}"
+            seed = "—" if record["seed"] is None else str(record["seed"])
+            lines.append(f"| {record['location']} | {seed} | {weights} | {use} |")
+    screening = result.get("screening")
+    if screening:
+        largest = ", ".join(f"{location} {value:.2f}" for location, value in screening["largest_z"].items())
+        lines += ["", f"Leave-one-out screening (each reference's largest |z| against the others; "
+                      f"{screening['bound']:.2f} bounds the farthest of {len(screening['largest_z'])} faithful "
+                      f"references with probability 1 − alpha): {largest}."]
+    return lines
 
 
 def _write(path: Path, content: bytes) -> None:

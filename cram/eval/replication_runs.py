@@ -53,7 +53,12 @@ def reference_set(size: str, deduped: bool) -> str:
         return (f"{size}-deduped, the one deduplicated-Pile model: no spread to judge by, only a tolerance around it")
     if size in MATCHED_SEEDS:
         return (f"the matched set: {size} and its {MATCHED_SEEDS[size]} seeds that differ from it in the init alone, "
-                "in its data order, which our run reads; a faithful run is one more of them")
+                "in its data order, which our run reads; a faithful run is one more of them. That is assumed: "
+                "EleutherAI/pythia#203 reports that from step 1 on the weight seeds hold one shared init (the data "
+                "seeds'), not each its own, which would make their spread run-to-run noise and fail a faithful run "
+                "early; the check reads step 0 and step 1 of each, leaves out (naming it) a seed that holds "
+                "another's weights, and refuses the set where fewer than two are left: then give PolyPythias' "
+                f"seeds by name ({size} and EleutherAI/{size}-seed1 … seed9), which differ in init and data order")
     if size in SEEDED_SIZES:
         return (f"{size} and PolyPythias' 9 seeds, which differ from it in the init and the data order; our run reads "
                 "the original's order, so the band, made of both kinds of difference, is wider than one of init "
@@ -67,6 +72,9 @@ def expand_references(asked: list[str], run: RunFacts) -> tuple[list[str], str |
     locations: list[str] = []
     described = None
     for location in asked:
+        if not location.strip():
+            raise UserError(f"--reference {location!r} names nothing: give `released`, a Hub repository, a folder of "
+                            "stepN revisions or another run's --output-dir.")
         if location in (RELEASED, RELEASED_DEDUPED):
             deduped = location == RELEASED_DEDUPED
             locations += released_references(run.size, deduped)
@@ -94,6 +102,7 @@ class RunFacts:
     peak_lr: float | None = None
     weight_decay: float | None = None
     deduplicated: bool | None = None  # recorded when its data was prepared (None: not recorded)
+    seed: int | None = None  # the seed of its init (None: not recorded, or a released model)
 
 
 ARITHMETIC = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}  # Accelerate's mixed_precision -> the arithmetic
@@ -108,11 +117,20 @@ def facts_from_options(options_path: Path, folder: Path | None) -> RunFacts:
                         int(resolved["max_steps"]), int(resolved["vocab_size"]), training["data"],
                         training["tokenizer"], resolved.get("released_precision", "fp16"),
                         resolved.get("first_batch"), ARITHMETIC.get(resolved.get("mixed_precision")),
-                        resolved.get("peak_lr"), resolved.get("weight_decay"), resolved.get("deduplicated"))
+                        resolved.get("peak_lr"), resolved.get("weight_decay"), resolved.get("deduplicated"),
+                        _recorded_seed(training.get("seed")))
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
         raise UserError(f"{options_path} is not the record of a run of recipes/pythia.py (cannot read it: "
                         f"{type(err).__name__}): give the --output-dir of a finished run, or a run's revisions, "
                         "with their cram_options.json whole.") from None
+
+
+def _recorded_seed(seed: object) -> int | None:
+    if seed is None:
+        return None
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"seed {seed!r}")
+    return seed
 
 
 def read_run(run_dir: Path) -> RunFacts:
@@ -197,12 +215,13 @@ def _same(ours: object, theirs: object) -> bool:
 
 
 def check_comparable(run: RunFacts, locations: list[str], references: list[Revisions], step: int,
-                     ours: Revisions) -> None:
+                     ours: Revisions) -> list[RunFacts]:
     """Refuse, in one sentence naming the difference, any reference our run cannot be compared with, whatever kind
     it is (a released model, a Hub repository, a folder of revisions, another run): the run itself or a reference
     given twice; another size (width, layers, heads), vocabulary or tokenizer; another arithmetic, peak learning
     rate, weight decay, schedule, global batch or sequence length; data of the other Pile (its deduplication, as
-    recorded when it was prepared); another run's other data or order (its first batch)."""
+    recorded when it was prepared); another run's other data or order (its first batch). What each reference
+    recorded of its training, in order."""
     seen: dict[str, str] = {}
     our_identity = str(run.folder.resolve()) if run.folder is not None else None
     for location, reference in zip(locations, references, strict=True):
@@ -219,6 +238,7 @@ def check_comparable(run: RunFacts, locations: list[str], references: list[Revis
     our_tokenizer = ours.tokenizer_digest(step)
     our_shape = _shape(our_config)
     ours_facts = replace(run, vocab_size=our_config.vocab_size)
+    recorded = []
     for location, reference in zip(locations, references, strict=True):
         config = reference.config(step)
         shape = _shape(config)
@@ -233,6 +253,7 @@ def check_comparable(run: RunFacts, locations: list[str], references: list[Revis
             raise UserError(f"cannot compare: the reference {location}'s tokenizer maps text to other ids than our "
                             "run's: compare runs of one tokenizer.")
         theirs = reference_facts(location, reference, step)
+        recorded.append(theirs)
         for name, field in (("arithmetic", "arithmetic"), ("peak learning rate", "peak_lr"),
                             ("weight decay", "weight_decay"), ("schedule (steps)", "max_steps"),
                             ("global batch", "global_batch_size"), ("sequence length", "seq_len")):
@@ -261,6 +282,7 @@ def check_comparable(run: RunFacts, locations: list[str], references: list[Revis
         elif theirs.data != run.data:
             raise UserError(f"cannot compare: our run's data is {run.data} and the reference {location}'s "
                             f"{theirs.data}: compare runs of one recipe.")
+    return recorded
 
 
 def _check_deduplication(run: RunFacts, location: str, deduplicated: bool) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -102,6 +103,7 @@ class Revisions:
         self.location = location
         self.folder = Path(location) if Path(location).exists() else None
         self._found: dict[int, tuple[str, Path | None]] | None = None
+        self._hub_commits: dict[int, str] = {}
 
     def found(self) -> dict[int, tuple[str, Path | None]]:
         """step -> (kind, path): a revision folder, a training state, the final model, or a Hub revision."""
@@ -112,9 +114,8 @@ class Revisions:
             for step in self._hub_steps():
                 found[step] = ("hub", None)
         else:
-            summary = self.folder / "summary.json"
-            if summary.is_file() and (self.folder / "final" / "config.json").is_file():
-                found[json.loads(summary.read_text())["optimizer_steps"]] = ("revision", self.folder / "final")
+            if (self.folder / "final" / "config.json").is_file() and (self.folder / "summary.json").is_file():
+                found[final_step(self.folder / "summary.json")] = ("revision", self.folder / "final")
             for step, state in _step_folders(self.folder / "checkpoints", "step-").items():
                 if training_state_weights(state) is not None:
                     found[step] = ("state", state)
@@ -132,11 +133,64 @@ class Revisions:
         from huggingface_hub import list_repo_refs
 
         try:
-            branches = [branch.name for branch in list_repo_refs(self.location).branches]
+            branches = list_repo_refs(self.location).branches
         except Exception as err:  # noqa: BLE001 - offline, unknown repository, no access: one sentence each
             raise UserError(f"cannot list the revisions of {self.location} ({type(err).__name__}): give a Hub "
                             "repository you can reach or a local folder of stepN revisions.") from None
-        return sorted(int(name[4:]) for name in branches if name.startswith("step") and name[4:].isdigit())
+        self._hub_commits = {int(branch.name[4:]): branch.target_commit for branch in branches
+                             if branch.name.startswith("step") and branch.name[4:].isdigit()}
+        return sorted(self._hub_commits)
+
+    def hub_commit(self, step: int) -> str | None:
+        """The commit the Hub's stepN branch points at (None: not a Hub revision): what its files are, for good."""
+        kind, _ = self.found()[step]
+        return self._hub_commits.get(step) if kind == "hub" else None
+
+    def weights(self, step: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's weights at `step` as the check reads them, one tensor at a time (a safetensors file's tensors
+        are read one by one, a .bin file mapped, a training state consolidated): a revision's weight files, a Hub
+        revision's (downloaded into the Hub's cache, where loading the model finds them), or a training state's."""
+        kind, path = self.found()[step]
+        try:
+            if kind == "state":
+                yield from read_training_state(path).items()
+                return
+            files = self._hub_weight_files(step) if kind == "hub" else _weight_files(path)
+            if not files:
+                raise UserError(f"{self.location} keeps no weights at step{step} (model.safetensors or "
+                                "pytorch_model.bin): give a folder whose stepN revisions hold their weights.")
+            for file in files:
+                if file.suffix == ".safetensors":
+                    from safetensors import safe_open
+
+                    with safe_open(str(file), framework="pt") as opened:
+                        for name in opened.keys():  # noqa: SIM118 - safe_open has no iterator of its own
+                            yield name, opened.get_tensor(name)
+                else:
+                    yield from torch.load(file, map_location="cpu", mmap=True, weights_only=True).items()
+        except UserError:
+            raise
+        except Exception as err:  # noqa: BLE001 - missing or damaged weights, a Hub out of reach: one sentence each
+            raise UserError(f"cannot read the weights of {self.location} at step{step} ({type(err).__name__}): give "
+                            "a folder whose stepN revisions hold their weights whole, or a Hub repository you can "
+                            "reach.") from None
+
+    def _hub_weight_files(self, step: int) -> list[Path]:
+        """A Hub revision's weight files, as transformers picks them (safetensors first, sharded or whole),
+        downloaded."""
+        from huggingface_hub import hf_hub_download, model_info
+
+        revision = f"step{step}"
+        names = {sibling.rfilename for sibling in model_info(self.location, revision=revision).siblings or []}
+        for single, index in (("model.safetensors", "model.safetensors.index.json"),
+                              ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+            if single in names:
+                return [Path(hf_hub_download(self.location, single, revision=revision))]
+            if index in names:
+                shards = json.loads(Path(hf_hub_download(self.location, index, revision=revision)).read_text())
+                return [Path(hf_hub_download(self.location, shard, revision=revision))
+                        for shard in sorted(set(shards["weight_map"].values()))]
+        return []
 
     def config_folder(self) -> Path:
         """A folder with the run's config.json, for loading weights from a training state."""
@@ -230,6 +284,31 @@ class Revisions:
             raise UserError(f"cannot read the model of {where} ({type(err).__name__}): give a folder whose stepN "
                             "revisions hold their weights (model.safetensors), or a Hub repository you can reach."
                             ) from None
+
+
+def final_step(summary: Path) -> int:
+    """The optimizer steps a finished run's summary.json records, or one sentence where it is damaged."""
+    try:
+        steps = json.loads(summary.read_text())["optimizer_steps"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
+        raise UserError(f"cannot read {summary} ({type(err).__name__}): give a run whose summary.json is whole, as "
+                        "recipes/pythia.py wrote it.") from None
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        raise UserError(f"{summary} records optimizer_steps {steps!r}, not a count of steps: give a run whose "
+                        "summary.json is whole, as recipes/pythia.py wrote it.")
+    return steps
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """A revision folder's weight files, as transformers picks them: safetensors first, sharded or whole."""
+    for single, index in (("model.safetensors", "model.safetensors.index.json"),
+                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        if (folder / single).is_file():
+            return [folder / single]
+        if (folder / index).is_file():
+            shards = json.loads((folder / index).read_text())["weight_map"].values()
+            return [folder / shard for shard in sorted(set(shards))]
+    return []
 
 
 def vocabulary_digest(vocabulary: dict[str, int]) -> str:

@@ -16,9 +16,19 @@ Over m steps the largest |z| must stay below a critical value c, chosen so that 
 probability alpha. The steps are correlated (a seed above the mean at one step tends to be above it at the next), so
 Bonferroni's t at alpha/(2m) is too strict; with K ≥ CALIBRATION_MIN_REFERENCES, c is the 1 − alpha quantile of the
 largest |z| over the steps in simulation, with the steps correlated as the references' own deviations from their
-mean are (shrunk towards independence, since K seeds estimate that correlation roughly), and never above
-Bonferroni's. With fewer references their correlation is too rough to lean on, and c is Bonferroni's. With one
-reference there is no spread to judge by: the band is that reference ± a tolerance the user chooses.
+mean are (shrunk towards independence, since K seeds estimate that correlation roughly). With fewer references their
+correlation is too rough to lean on, and c is Bonferroni's. With one reference there is no spread to judge by: the
+band is that reference ± a tolerance the user chooses.
+
+One odd reference (a seed far from the others, or a revision that is not what its name says) would widen s at every
+step and take the verdict's power with it. So each reference is screened against the others, leave-one-out: its
+largest |z| over the steps against the other K − 1's band. With K ≥ CALIBRATION_MIN_REFERENCES, the farthest one is
+left out of the band where that |z| is beyond what the farthest of K faithful references reaches with probability
+alpha; the simulation that calibrates c runs the same screening on every simulated set of references, so a faithful
+run still fails with probability alpha, the screening included. With fewer references the farthest one is named when
+it is beyond Bonferroni's bound for K references, and the verdict without it is reported, but the band keeps it:
+leaving one of so few out, uncalibrated, fails faithful runs more often than alpha, for little power
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -40,13 +50,17 @@ EARLY_STEPS_END = 512
 DEFAULT_EARLY_STEPS = (0, 32, 512)
 DEFAULT_LATE_FRACTIONS = (1 / 3, 2 / 3, 1.0)
 # Below this many references, their correlation between steps is too rough an estimate to calibrate on (the
-# simulations in docs/benchmarks.md fail a faithful run more often than alpha with 5): Bonferroni.
+# simulations in docs/benchmarks.md fail a faithful run more often than alpha with 5): Bonferroni, and no reference
+# is left out of the band.
 CALIBRATION_MIN_REFERENCES = 8
 # The estimated correlations, times this: a few seeds overstate how much the steps move together, which would lower
 # the critical value below what alpha allows.
 CORRELATION_SHRINK = 0.8
 CALIBRATION_DRAWS = 20_000  # simulated faithful runs: enough that the quantile's own error is small next to z
 CALIBRATION_SEED = 0  # the simulation is seeded: the same losses always give the same verdict
+# The simulation runs in chunks of about this many values per array (draws × runs × steps), so its memory is bounded
+# whatever the number of steps judged.
+CALIBRATION_CHUNK_VALUES = 1 << 19
 
 
 def t_two_sided_probability(t: float, degrees: int) -> float:
@@ -93,7 +107,8 @@ def bonferroni_critical(references: int, steps: int, alpha: float) -> float:
 def step_correlation(means: np.ndarray) -> np.ndarray:
     """The correlation between steps of the references' deviations from their mean (`means`: [K, m], each
     reference's mean loss at each step), which is that of their leave-one-out z-scores; shrunk by
-    CORRELATION_SHRINK towards independence."""
+    CORRELATION_SHRINK towards independence. Each step's deviations are divided by their own spread first: the
+    seeds' spread differs from step to step (wide at the init, narrow late), and z is measured in it."""
     deviations = means - means.mean(0)
     spread = deviations.std(0, ddof=1)
     spread[spread == 0] = 1.0
@@ -104,42 +119,175 @@ def step_correlation(means: np.ndarray) -> np.ndarray:
     return correlation
 
 
-@cache
-def _standard_draws(references: int, steps: int, draws: int) -> tuple[np.ndarray, np.ndarray]:
-    """The seeded standard normal draws every calibration of this shape starts from, as the two things z needs of
-    them: one more run's difference from the seeds' mean, [draws, m], and the seeds' centred cross-products,
-    [draws, m, m] (z is linear in the draws, so a correlation's root applies to these as to the draws)."""
-    drawn = np.random.default_rng(CALIBRATION_SEED).standard_normal((draws, references + 1, steps))
-    seeds = drawn[:, :references]
-    centred = seeds - seeds.mean(1, keepdims=True)
-    return drawn[:, references] - seeds.mean(1), np.einsum("dki,dkj->dij", centred, centred)
+def _ratio(difference: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """difference / scale, where a zero scale gives 0 for no difference and ±inf for any."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = difference / scale
+    return np.where(scale > 0, ratio, np.where(difference == 0, 0.0, np.copysign(np.inf, difference)))
+
+
+def band_z(ours: np.ndarray, references: np.ndarray) -> np.ndarray:
+    """The z of `ours` ([..., m]: a mean loss at each step) against the band of `references` ([..., K, m]) at each
+    step: (ours − mean) / (s · √(1 + 1/K))."""
+    spread = references.std(-2, ddof=1)
+    return _ratio(ours - references.mean(-2), spread * prediction_factor(references.shape[-2]))
+
+
+def leave_one_out_z(means: np.ndarray) -> np.ndarray:
+    """Each reference's z at each step against the band of the other K − 1 (`means`: [..., K, m], K ≥ 3)."""
+    centred = means - means.mean(-2, keepdims=True)  # z ignores a shift; centring keeps small spreads exact
+    return _leave_one_out(centred, (centred ** 2).sum(-2, keepdims=True))[0]
+
+
+def _leave_one_out(centred: np.ndarray, squares: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """From the references' deviations from their mean (`centred`, [..., K, m]) and their sum of squares
+    ([..., 1, m]): each one's leave-one-out z, and the others' mean (as a deviation) and scale, in closed form (the
+    deviations sum to 0, so the others' mean is −d/(K − 1) and their sum of squares S − d² · K/(K − 1))."""
+    count = centred.shape[-2]
+    others_mean = -centred / (count - 1)
+    variance = np.clip((squares - centred ** 2 * count / (count - 1)) / (count - 2), 0, None)
+    scale = np.sqrt(variance) * prediction_factor(count - 1)
+    return _ratio(centred - others_mean, scale), others_mean, scale
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What K faithful references and one more faithful run reach, in simulation, with probability alpha."""
+
+    plain: float  # the largest |z| of one more run over the steps, against all K
+    screen: float  # the farthest reference's largest leave-one-out |z|
+    screened: float  # the largest |z| of one more run against the K − 1 others where the farthest is beyond `screen`,
+    # against all K where it is not
+
+
+def calibrate(correlation: np.ndarray, references: int, alpha: float, draws: int | None = None) -> Calibration:
+    """The 1 − alpha quantiles of the verdict's statistics, for `references` seeds and one more run all drawn with
+    the steps correlated as `correlation` says, z computed as the verdict computes it. The draws come in chunks of
+    about CALIBRATION_CHUNK_VALUES values, so memory does not grow with the draws or with the square of the steps."""
+    steps = len(correlation)
+    values, vectors = np.linalg.eigh(correlation)
+    root = vectors * np.sqrt(np.clip(values, 0, None))  # root @ root.T == correlation
+    draws = draws or CALIBRATION_DRAWS
+    chunk = max(1, CALIBRATION_CHUNK_VALUES // ((references + 1) * steps))
+    generator = np.random.default_rng(CALIBRATION_SEED)
+    plain, farthest, screened = [], [], []
+    for start in range(0, draws, chunk):
+        size = min(chunk, draws - start)
+        runs = generator.standard_normal((size, references + 1, steps)) @ root.T
+        seeds = runs[:, :references]
+        mean = seeds.mean(1)
+        centred = seeds - mean[:, None]
+        squares = (centred ** 2).sum(1, keepdims=True)
+        ours = runs[:, references] - mean
+        spread = np.sqrt(squares[:, 0] / (references - 1))
+        plain.append(np.abs(_ratio(ours, spread * prediction_factor(references))).max(-1))
+        z, others_mean, others_scale = _leave_one_out(centred, squares)
+        distances = np.abs(z).max(-1)  # [size, K]
+        far = distances.argmax(-1)
+        rows = np.arange(size)
+        farthest.append(distances[rows, far])
+        screened.append(np.abs(_ratio(ours - others_mean[rows, far], others_scale[rows, far])).max(-1))
+    plain_z, farthest_z, screened_z = (np.concatenate(parts) for parts in (plain, farthest, screened))
+    screen = float(np.quantile(farthest_z, 1 - alpha))
+    verdict_z = np.where(farthest_z > screen, screened_z, plain_z)
+    return Calibration(float(np.quantile(plain_z, 1 - alpha)), screen, float(np.quantile(verdict_z, 1 - alpha)))
 
 
 def calibrated_critical(correlation: np.ndarray, references: int, alpha: float, draws: int | None = None) -> float:
     """The 1 − alpha quantile of the largest |z| over the steps of one more faithful run against `references` others,
-    all drawn with the steps correlated as `correlation` says: z from the simulated references' own mean and
-    spread, as the verdict computes it."""
-    values, vectors = np.linalg.eigh(correlation)
-    root = vectors * np.sqrt(np.clip(values, 0, None))  # root @ root.T == correlation
-    difference, products = _standard_draws(references, len(correlation), draws or CALIBRATION_DRAWS)
-    variance = ((products @ root.T) * root.T).sum(1) / (references - 1)  # root_j · products · root_j
-    z = (difference @ root.T) / (np.sqrt(variance) * prediction_factor(references))
-    return float(np.quantile(np.abs(z).max(1), 1 - alpha))
+    with no screening: the critical value of a band of every reference."""
+    return calibrate(correlation, references, alpha, draws).plain
 
 
-def critical_value(means: np.ndarray, alpha: float) -> tuple[float, str]:
-    """The critical |z| over the steps judged (`means`: [K, m], each reference's mean loss at each step), and how it
-    was found."""
+@dataclass(frozen=True)
+class Screening:
+    """Each reference against the others, leave-one-out, at the steps judged."""
+
+    z: np.ndarray  # [K, m]: each reference's z against the band of the others
+    bound: float  # a reference whose largest |z| is beyond this is far
+    far: int | None  # the farthest reference, where it is beyond the bound
+    left_out: bool  # whether the band leaves the far reference out (with enough references) or only names it
+
+    @property
+    def largest(self) -> list[float]:
+        """Each reference's largest |z| over the steps."""
+        return [float(value) for value in np.abs(self.z).max(1)]
+
+
+@dataclass(frozen=True)
+class Band:
+    """Where one more faithful run's mean loss lies at each step, from the references `kept` of `means` ([K, m])."""
+
+    means: np.ndarray
+    kept: tuple[int, ...]
+    critical: float
+    method: str
+
+    @property
+    def mean(self) -> np.ndarray:
+        return self.means[list(self.kept)].mean(0)
+
+    @property
+    def spread(self) -> np.ndarray:
+        return self.means[list(self.kept)].std(0, ddof=1)
+
+    def z(self, ours: np.ndarray) -> np.ndarray:
+        """The z of `ours` ([..., m]) at each step."""
+        return band_z(ours, self.means[list(self.kept)])
+
+    def passes(self, ours: np.ndarray) -> np.ndarray:
+        """Whether `ours` ([..., m]) lies within the band at every step."""
+        return np.abs(self.z(ours)).max(-1) <= self.critical
+
+
+@dataclass(frozen=True)
+class Bands:
+    """The band the verdict judges by; the band of every reference without any screening (the verdict's where no
+    reference is far, or with fewer than CALIBRATION_MIN_REFERENCES); the band without the far reference (None where
+    none is far); and the screening (None below 3 references)."""
+
+    verdict: Band
+    every: Band
+    without_far: Band | None
+    screening: Screening | None
+
+
+def reference_bands(means: np.ndarray, alpha: float) -> Bands:
+    """The bands of `means` ([K, m], each reference's mean loss at each step, K ≥ 2) at `alpha`: the screening, and
+    the critical value calibrated (K ≥ CALIBRATION_MIN_REFERENCES) or Bonferroni's."""
     references, steps = means.shape
+    everyone = tuple(range(references))
     bonferroni = bonferroni_critical(references, steps, alpha)
-    if steps == 1:
-        return bonferroni, "one step: Student's t"
+    few = (f"Bonferroni over {steps} steps ({references} references are too few to estimate the steps' "
+           "correlation)")
+    if references < 3:
+        every = Band(means, everyone, bonferroni, few)
+        return Bands(every, every, None, None)
+    z = leave_one_out_z(means)
+    largest = np.abs(z).max(1)
+    farthest = int(largest.argmax())
+    without = tuple(index for index in everyone if index != farthest)
     if references < CALIBRATION_MIN_REFERENCES:
-        return bonferroni, (f"Bonferroni over {steps} steps ({references} references are too few to estimate the "
-                            "steps' correlation)")
-    calibrated = calibrated_critical(step_correlation(means), references, alpha)
-    return min(calibrated, bonferroni), (f"the largest |z| over {steps} steps, calibrated on the references' own "
-                                         f"correlation between steps (Bonferroni's would be {bonferroni:.2f})")
+        bound = t_quantile_two_sided(alpha / (steps * references), references - 2)
+        screening = Screening(z, bound, farthest if largest[farthest] > bound else None, False)
+        every = Band(means, everyone, bonferroni, few)
+        without_far = None if screening.far is None else Band(
+            means, without, bonferroni_critical(references - 1, steps, alpha),
+            f"Bonferroni over {steps} steps, without the far reference")
+        return Bands(every, every, without_far, screening)
+    # The correlation from the others than the farthest: an odd reference alone would make the steps look as one.
+    calibration = calibrate(step_correlation(means[list(without)]), references, alpha)
+    screening = Screening(z, calibration.screen, farthest if largest[farthest] > calibration.screen else None, True)
+    critical = min(calibration.screened, bonferroni_critical(references - 1, steps, alpha))
+    method = (f"the largest |z| over {steps} steps, calibrated on the references' own correlation between steps, "
+              f"the leave-one-out screening included (Bonferroni's would be {bonferroni:.2f})")
+    every = Band(means, everyone, min(calibration.plain, bonferroni),
+                 f"the largest |z| over {steps} steps, calibrated on the references' own correlation between steps, "
+                 f"every reference kept (Bonferroni's would be {bonferroni:.2f})")
+    if screening.far is None:
+        return Bands(Band(means, everyone, critical, method), every, None, screening)
+    without_far = Band(means, without, critical, method)
+    return Bands(without_far, every, without_far, screening)
 
 
 @dataclass(frozen=True)
@@ -194,27 +342,44 @@ def scoring_error(references: torch.Tensor) -> float | None:
     return math.sqrt(variance / sequences)
 
 
-def judge_steps(ours: list[torch.Tensor], references: list[torch.Tensor], alpha: float,
-                tolerance: float) -> tuple[list[StepJudgement], str]:
-    """Our per-sequence losses at each step (`ours[j]`: [n]) against the references' (`references[j]`: [K, n]),
-    and how the critical value was found."""
+@dataclass(frozen=True)
+class Judged:
+    """Our run judged at every step by the verdict's band, and by the other band where a reference is far."""
+
+    judgements: list[StepJudgement]
+    method: str
+    kept: tuple[int, ...]  # the references the verdict's band is made of
+    screening: Screening | None
+    other: list[StepJudgement] | None = None  # judged with the far reference where the band left it out, else without
+    other_kept: tuple[int, ...] | None = None
+
+    @property
+    def passed(self) -> bool:
+        return all(judgement.passed for judgement in self.judgements)
+
+
+def _judged_by(band: Band, ours: list[torch.Tensor], references: list[torch.Tensor]) -> list[StepJudgement]:
+    kept = list(band.kept)
+    return [StepJudgement(float(band.mean[step]), float(band.spread[step]), scoring_error(losses[kept]),
+                          float(band.spread[step]) * prediction_factor(len(kept)), band.critical,
+                          our_losses.double().mean().item())
+            for step, (our_losses, losses) in enumerate(zip(ours, references, strict=True))]
+
+
+def judge_steps(ours: list[torch.Tensor], references: list[torch.Tensor], alpha: float, tolerance: float) -> Judged:
+    """Our per-sequence losses at each step (`ours[j]`: [n]) against the references' (`references[j]`: [K, n])."""
     means = np.array([[losses.double().mean().item() for losses in step] for step in references]).T  # [K, m]
-    count = means.shape[0]
-    if count == 1:
-        critical, method = 1.0, f"one reference: within ± {tolerance:g} nats of it"
-    else:
-        critical, method = critical_value(means, alpha)
-    judgements = []
-    for step, (our_losses, reference_losses) in enumerate(zip(ours, references, strict=True)):
-        our_loss = our_losses.double().mean().item()
-        mean = float(means[:, step].mean())
-        if count == 1:
-            judgements.append(StepJudgement(mean, None, None, tolerance, critical, our_loss))
-            continue
-        spread = float(means[:, step].std(ddof=1))
-        judgements.append(StepJudgement(mean, spread, scoring_error(reference_losses),
-                                        spread * prediction_factor(count), critical, our_loss))
-    return judgements, method
+    if means.shape[0] == 1:
+        return Judged([StepJudgement(float(means[0, step]), None, None, tolerance, 1.0,
+                                     our_losses.double().mean().item()) for step, our_losses in enumerate(ours)],
+                      f"one reference: within ± {tolerance:g} nats of it", (0,), None)
+    bands = reference_bands(means, alpha)
+    other = None
+    if bands.without_far is not None:
+        other = bands.every if bands.verdict is bands.without_far else bands.without_far
+    return Judged(_judged_by(bands.verdict, ours, references), bands.verdict.method, bands.verdict.kept,
+                  bands.screening, None if other is None else _judged_by(other, ours, references),
+                  None if other is None else other.kept)
 
 
 def default_steps(shared: list[int]) -> list[int]:
