@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from cram.data.cache import default_cache_dir, exclusive_lock, temporary_sibling
+from cram.data.cache import default_cache_dir, exclusive_build, temporary_sibling
 from cram.errors import UserError
 from cram.eval.run_models import Revisions
 
@@ -108,7 +108,8 @@ def _remember(found: dict[str, WeightDigest]) -> None:
     path = digest_cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with exclusive_lock(path.with_name(path.name + ".lock")):
+        # The cache's lock: one writer at a time, on any machine that shares it (never "built" by another).
+        with exclusive_build(path, built=lambda: False):
             entries = _read_cache()
             for key, digest in found.items():
                 entries.pop(key, None)
