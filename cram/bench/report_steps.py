@@ -231,10 +231,8 @@ def readymade_batches(vocab: int, batch: int, seq_len: int, steps: int, workers:
     loader = readymade_loader(stream, collator, start=0, micro_batch_size=batch, process_index=0, num_processes=1,
                               pin_memory=pin)
     if workers:
-        # Started fresh, not forked: this process has run pyarrow's thread pools (the shards written, their footers
-        # read), and a fork can copy a lock one of those threads held, on which the worker's first read waits forever.
         loader = DataLoader(loader.dataset, batch_size=None, collate_fn=collator, num_workers=workers,
-                            pin_memory=pin, persistent_workers=True, multiprocessing_context="spawn")
+                            pin_memory=pin, persistent_workers=True)
     batches: Iterator[dict[str, torch.Tensor]] = iter(loader)
 
     def next_batch() -> dict[str, torch.Tensor | int]:
