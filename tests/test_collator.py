@@ -1,10 +1,14 @@
 """The MLM collator: an exact count of masked positions, 80/10/10, special tokens spared."""
 
+import tempfile
+
 import datasets
+import pytest
 import torch
 
 from cram.data.collator import MaskedLMCollator, hashed_uniform
 from cram.data.sampling import stream_loader
+from cram.errors import UserError
 
 SPECIALS = [0, 1, 2, 3, 4]
 MASK_ID = 4
@@ -114,3 +118,19 @@ def test_the_stream_wraps_around_the_blocks_and_splits_each_micro_step_among_pro
     halves = [next(iter(stream_loader(blocks, collator, start=3, micro_batch_size=2, process_index=rank,
                                       num_processes=2)))["input_ids"][:, 0].tolist() for rank in (0, 1)]
     assert halves[0] + halves[1] == first
+
+
+def test_loader_workers_under_a_temporary_folder_too_deep_for_their_socket_are_refused_in_one_sentence(
+        tmp_path, monkeypatch):
+    """A worker passes each batch's tensors over a Unix socket made in the temporary folder; under a folder whose path
+    leaves the socket's past 107 bytes, the first batch never arrives, so such a run is refused before it starts."""
+    blocks = datasets.Dataset.from_dict({"input_ids": [[5] * 8] * 4})
+    collator = MaskedLMCollator(4, 32, range(5), mask_fraction=0.25)
+    deep = tmp_path / ("d" * (107 - len(str(tmp_path))))
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with pytest.raises(UserError, match=r"^the temporary folder .* is too long a path for the sockets the data "
+                                        r"loader's workers use .*: set TMPDIR to a shorter folder, e\.g\. /tmp, or "
+                                        r"pass --num-workers 0\.$"):
+        stream_loader(blocks, collator, start=0, micro_batch_size=2, process_index=0, num_processes=1, num_workers=1)
+    # Without workers nothing goes through a socket: the same folder is fine.
+    stream_loader(blocks, collator, start=0, micro_batch_size=2, process_index=0, num_processes=1, num_workers=0)

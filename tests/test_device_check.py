@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import shutil
 import signal
 import sys
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -187,15 +189,19 @@ def test_a_stopped_check_ends_the_running_row_and_writes_what_it_has(tmp_path, r
 
 @pytest.mark.slow
 @pytest.mark.launch
-def test_with_everything_installed_every_row_runs_beside_the_original_code(tmp_path, recipe_env):
+def test_with_everything_installed_every_row_runs_beside_the_original_code(tmp_path, recipe_env, request):
     options = ["--rows", "crammed BERT|original|BertForMaskedLM|pythia|GPTNeoX"]  # all but the planner's probe
     if ANCHOR is not None:  # the original measured; without the archive, the sentence that says it was not given
         with tarfile.open(ANCHOR) as archive:
             archive.extractall(tmp_path / "anchor", filter="data")
         options += ["--original", str(tmp_path / "anchor" / "cramming")]
     extensions = tmp_path / "torch-extensions"  # where DeepSpeed would build an op
-    output, temporary = tmp_path / "out", tmp_path / "tmp"
-    temporary.mkdir()
+    # A temporary folder of the test's own, at a short path: the loader's worker hands its tensors over a Unix socket
+    # made there (torch's file-descriptor sharing), whose path may not pass 107 bytes, which a folder under pytest's
+    # tmp_path on an xdist worker does: the worker's first batch then never arrives.
+    temporary = Path(tempfile.mkdtemp(prefix="cram-t-"))
+    request.addfinalizer(lambda: shutil.rmtree(temporary, ignore_errors=True))
+    output = tmp_path / "out"
     completed = run([sys.executable, "-m", "cram.bench.device_check", "--output-dir", output, *options], cwd=REPO,
                     env={**recipe_env, "TORCH_EXTENSIONS_DIR": str(extensions), "TMPDIR": str(temporary)})
     assert completed.returncode == 0, completed.stderr[-3000:]

@@ -10,10 +10,13 @@ sees the same sequences whether it ran on one process or several.
 from __future__ import annotations
 
 import signal
+import tempfile
 from collections.abc import Iterator, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
+
+from cram.errors import UserError
 
 
 class SerialBlocks(Dataset):
@@ -60,6 +63,8 @@ def stream_loader(
     `blocks` is a `datasets.Dataset` of token blocks, or a torch `Dataset` already addressed by serial like
     `SerialBlocks` (e.g. runs of a Megatron token file).
     """
+    if num_workers:
+        check_worker_socket_path()
     return DataLoader(
         blocks if isinstance(blocks, Dataset) else SerialBlocks(blocks),
         batch_sampler=StreamSlices(start, micro_batch_size, process_index, num_processes),
@@ -68,6 +73,22 @@ def stream_loader(
         pin_memory=pin_memory,
         worker_init_fn=_ignore_stop_signals if num_workers else None,
     )
+
+
+# The longest path of a Unix socket (Linux's sun_path, less its final NUL), and what multiprocessing adds to the
+# temporary folder for the one a loader worker hands its tensors over: pymp-XXXXXXXX/listener-XXXXXXXX.
+UNIX_SOCKET_PATH_MAX = 107
+WORKER_SOCKET_SUFFIX = len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+
+
+def check_worker_socket_path() -> None:
+    """Refuse a temporary folder too deep for the Unix socket over which a loader worker passes each batch's tensors
+    (torch's file-descriptor sharing): there the worker's first batch never arrives and the run waits forever."""
+    folder = tempfile.gettempdir()
+    if len(folder) + WORKER_SOCKET_SUFFIX > UNIX_SOCKET_PATH_MAX:
+        raise UserError(f"the temporary folder {folder} is too long a path for the sockets the data loader's workers "
+                        f"use (at most {UNIX_SOCKET_PATH_MAX - WORKER_SOCKET_SUFFIX} characters): set TMPDIR to a "
+                        "shorter folder, e.g. /tmp, or pass --num-workers 0.")
 
 
 def _ignore_stop_signals(worker_id: int) -> None:
