@@ -21,6 +21,7 @@ from cram.data.megatron import tokenized_documents, write_megatron
 from cram.data.prepare import FINGERPRINT_FILE
 from cram.data.tokenizer import train_byte_level_bpe
 from cram.errors import run_cli
+from cram.train.accelerator import forget_earlier_accelerator
 from cram.train.data_agreement import disagreement
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,6 +117,9 @@ def refused_ranks(tmp_path: Path, recipe: str, arguments_by_rank: list[list[str]
     0's stderr."""
     module_name = f"{recipe}_recipe_agreement"
     load_recipe(REPO / "recipes" / f"{recipe}.py", module_name)
+    # A fork inherits Accelerate's process-wide state, where a fresh process starts without it: one left by an
+    # earlier in-process test of this worker (one process, rank 0) would make both ranks rank 0 of one.
+    forget_earlier_accelerator()
     debug_launcher(run_rank, args=(str(REPO / "recipes" / f"{recipe}.py"), module_name, arguments_by_rank,
                                    str(tmp_path)))
     statuses = [(tmp_path / f"rank-{rank}.status").read_text() for rank in range(2)]

@@ -12,6 +12,7 @@ signal), so a killed parent leaves no child holding the GPU.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -75,8 +76,12 @@ def run_isolated(work: Callable[[], dict], deadline: float, started: Callable[[i
         pid = os.fork()
         if pid == 0:
             _child(work, result_file, parent)  # never returns
-        started(pid)
+        # The child's group, made here too (as the child makes it): a stop that comes before the child has run must
+        # still find the group to kill, or the wait for the child would outlast it.
+        with contextlib.suppress(PermissionError, ProcessLookupError):
+            os.setpgid(pid, pid)
         try:
+            started(pid)
             status = _wait(pid, deadline, clock)
         except BaseException:
             _kill_group(pid)
@@ -118,10 +123,13 @@ def _wait(pid: int, deadline: float, clock: Callable[[], float]) -> int | None:
 
 
 def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    """SIGKILL the child's group, or the child alone where it leads none (it ended, or has not run yet)."""
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+            return
+        except (ProcessLookupError, PermissionError):
+            continue
 
 
 def _child(work: Callable[[], dict], result_file: Path, parent: int) -> None:
