@@ -227,10 +227,13 @@ def cpus_per_process(layout: Layout, arguments: list[str]) -> int | None:
         return None
     workers = default_num_workers("cuda")
     for index, argument in enumerate(arguments):
+        given = None
         if argument in ("--num-workers", "--num_workers") and index + 1 < len(arguments):
-            workers = int(arguments[index + 1])
+            given = arguments[index + 1]
         elif argument.startswith(("--num-workers=", "--num_workers=")):
-            workers = int(argument.split("=", 1)[1])
+            given = argument.split("=", 1)[1]
+        if given is not None and given.isdigit():  # anything else the recipe refuses in its own sentence
+            workers = int(given)
     return workers + 2
 
 
