@@ -1,11 +1,11 @@
 """Writes a training state the way GPT-NeoX v1.0 wrote the original Pythia suite's (EleutherAI's
 `neox-ckpt-pythia-SIZE[-deduped]-v1`), on DeeperSpeed 0.3: ZeRO-1 by `FP16_DeepSpeedZeroOptimizer_Stage1`, whose
 elastic state dict keeps each rank's sub-partitions of each group per communication interval. Everything that shapes
-the files is DeepSpeed 0.3's own code, run from PyPI's source distribution of deepspeed 0.3.16 (SOURCE, unpacked; the
-Makefile downloads it, tests/deepspeed_03.py names it): the stage-1 optimizer, FusedAdam's state layout, the
-PipelineModule and its topology (layer files), and the engine's checkpoint methods (file names, model states, the
-ZeRO files), compiled from engine.py's source. The state it holds is a cram training state's (fp32 weights, Adam's
-moments), so the same state exists in both formats:
+the files is DeepSpeed 0.3's own code, run from PyPI's source distribution of deepspeed 0.3.16 (SOURCE, unpacked:
+`make setup` puts it in .venv/deepspeed-0.3.16, checked against PyPI's sha256): the stage-1 optimizer, FusedAdam's
+state layout, the PipelineModule and its topology (layer files), and the engine's checkpoint methods (file names,
+model states, the ZeRO files), compiled from engine.py's source (the engine itself needs CUDA to start). The state it
+holds is a cram training state's (fp32 weights, Adam's moments), so the same state exists in both formats:
 
     torchrun --standalone --nproc_per_node 2 tests/gpt_neox_v1_standin.py SOURCE CRAM_STATE CONFIG_FOLDER OUTPUT \
         ITERATION GLOBAL_BATCH SEQ_LEN TRAIN_ITERS REDUCE_BUCKET
@@ -26,11 +26,15 @@ first-use step); moves to CUDA stay on the CPU; `torch._six.inf` is `math.inf`; 
 from __future__ import annotations
 
 import ast
+import hashlib
 import math
 import os
+import stat
 import sys
 import types
+from collections import OrderedDict
 from pathlib import Path
+from shutil import copyfile
 
 import torch
 from torch import nn
@@ -114,10 +118,10 @@ def import_deepspeed_03(source: Path) -> types.SimpleNamespace:
     pipe = importlib.import_module("deepspeed.runtime.pipe.module")
     topology = importlib.import_module("deepspeed.runtime.pipe.topology")
     runtime_utils = importlib.import_module("deepspeed.runtime.utils")
-    namespace = {"os": os, "stat": __import__("stat"), "torch": torch, "dist": torch.distributed,
-                 "hashlib": __import__("hashlib"), "OrderedDict": __import__("collections").OrderedDict,
-                 "copyfile": __import__("shutil").copyfile, "logger": logging.logger, "log_dist": logging.log_dist,
-                 "ensure_directory_exists": runtime_utils.ensure_directory_exists, "PipelineModule": pipe.PipelineModule}
+    namespace = {"os": os, "stat": stat, "torch": torch, "dist": torch.distributed, "hashlib": hashlib,
+                 "OrderedDict": OrderedDict, "copyfile": copyfile, "logger": logging.logger,
+                 "log_dist": logging.log_dist, "ensure_directory_exists": runtime_utils.ensure_directory_exists,
+                 "PipelineModule": pipe.PipelineModule}
     methods = _methods(source / "deepspeed" / "runtime" / "engine.py", "DeepSpeedEngine", ENGINE_METHODS, namespace)
     methods |= _methods(source / "deepspeed" / "runtime" / "pipe" / "engine.py", "PipelineEngine",
                         ("module_state_dict",), namespace)

@@ -70,6 +70,7 @@ class GPTNeoXState:
     moments: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # "exp_avg"/"exp_avg_sq" → name → tensor
     loss_scale: dict | None = None  # the fp16 loss scaler's state (cur_scale, hysteresis counters), None without one
     data_parallel: int = 1  # the ranks that saved it
+    adam_step_saved: bool = True  # False: the files keep no Adam step, and `adam_step` is the iteration
 
 
 def gpt_neox_folder(folder: Path) -> Path | None:
@@ -161,8 +162,10 @@ def read_gpt_neox_checkpoint(folder: Path, layers: int) -> GPTNeoXState:
         raise UserError(f"{folder}'s optimizer files lack the weight {missing[0]} its layer files hold: give a "
                         "checkpoint every rank finished saving.")
     scaler = states[0].get("loss_scaler")
-    return GPTNeoXState(folder, iteration, schedule_steps, _adam_step(states[0], iteration), master, moments,
-                        loss_scale=_loss_scale(scaler, states[0].get("dynamic_loss_scale")), data_parallel=len(states))
+    step = _adam_step(states[0])
+    return GPTNeoXState(folder, iteration, schedule_steps, iteration if step is None else step, master, moments,
+                        loss_scale=_loss_scale(scaler, states[0].get("dynamic_loss_scale")), data_parallel=len(states),
+                        adam_step_saved=step is not None)
 
 
 def _optimizer_state(saved: object, path: Path) -> dict:
@@ -189,19 +192,19 @@ def _read_stage1(folder: Path, layers: int, files: list[dict], states: list[dict
     master: dict[str, torch.Tensor] = {}
     moments: dict[str, dict[str, torch.Tensor]] = {key: {} for key in MOMENTS}
     for group, names in enumerate(groups):
-        intervals = int(states[0]["num_comm_intervals_per_group"][group])
+        intervals = states[0].get("num_comm_intervals_per_group", ["?"] * len(groups))[group]
         try:
             # DeeperSpeed eb7f5cff deepspeed/runtime/zero/stage1.py, FP16_DeepSpeedZeroOptimizer_Stage1
             # `_retrieve_group_sub_partition_weights` and `_retrieve_group_optimizer_states`: sub-partition
             # interval × ranks + rank, laid end to end, is the group flattened; `_elastic_state_dict` saved each
             # without its padding (`_get_groups_without_padding`, `_get_base_optimizer_state`), so nothing is cut.
-            order = [(rank, interval) for interval in range(intervals) for rank in range(partitions)]
+            order = [(rank, interval) for interval in range(int(intervals)) for rank in range(partitions)]
             flat = {"fp32": torch.cat([states[rank]["local_sub_partitions_of_fp32_groups"][group][interval]
                                        for rank, interval in order])}
             for key in MOMENTS:
                 flat[key] = torch.cat([states[rank]["base_optimizer_state"][group][interval][key]
                                        for rank, interval in order])
-        except (IndexError, KeyError, TypeError, RuntimeError):
+        except (IndexError, KeyError, TypeError, ValueError, RuntimeError):
             raise UserError(f"{folder}'s optimizer files do not hold {partitions} ranks' {intervals} sub-partitions "
                             f"of group {group} with Adam's moments: give a GPT-NeoX checkpoint whose files are "
                             "whole.") from None
@@ -223,9 +226,10 @@ def _read_stage1(folder: Path, layers: int, files: list[dict], states: list[dict
     if missing:
         raise UserError(f"{folder}'s optimizer files lack the weight {missing[0]} its layer files hold: give a "
                         "checkpoint every rank finished saving.")
-    return GPTNeoXState(folder, iteration, schedule_steps, _adam_step(states[0], iteration), master, moments,
+    step = _adam_step(states[0])
+    return GPTNeoXState(folder, iteration, schedule_steps, iteration if step is None else step, master, moments,
                         loss_scale=_loss_scale(states[0].get("loss_scaler"), states[0].get("dynamic_loss_scale")),
-                        data_parallel=len(states))
+                        data_parallel=len(states), adam_step_saved=step is not None)
 
 
 def _layer_shapes(folder: Path) -> dict[str, torch.Size]:
@@ -278,9 +282,9 @@ def _group_state(state: dict, group: int) -> dict:
     return base[group] if isinstance(base, list) else base["state"][group]
 
 
-def _adam_step(state: dict, iteration: int) -> int:
+def _adam_step(state: dict) -> int | None:
     """Adam's step count: in torch's state (torch's Adam), in the param groups (apex's and DeepSpeed's FusedAdam,
-    GPT-NeoX's choice on GPUs) or beside the elastic state; the iteration where none is saved."""
+    GPT-NeoX's choice on GPUs) or beside the elastic state; None where none is saved."""
     base = state["base_optimizer_state"]
     candidates = []
     if isinstance(base, dict):
@@ -290,8 +294,8 @@ def _adam_step(state: dict, iteration: int) -> int:
         candidates += [entry.get("step") for group in base
                        for entry in (group if isinstance(group, list) else [group])]
     candidates.append(state.get("base_optimizer_state_step"))
-    step = next((value for value in candidates if value is not None), iteration)
-    return int(step.item() if torch.is_tensor(step) else step)
+    step = next((value for value in candidates if value is not None), None)
+    return None if step is None else int(step.item() if torch.is_tensor(step) else step)
 
 
 def _loss_scale(scaler: object, dynamic: bool | None) -> dict | None:
