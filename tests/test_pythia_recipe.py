@@ -1097,6 +1097,8 @@ def test_a_damaged_gpt_neox_v1_checkpoint_is_refused_in_one_sentence(
 
     if case == "a rank's file missing":
         (folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    elif case == "rigid layout":  # `_rigid_state_dict`: no partition count in any rank's file
+        rewrite_optimizer_files(folder, damage)
     else:
         path = folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
         saved = torch.load(path, weights_only=False)
