@@ -9,7 +9,21 @@ OPS    := $(VENV)/.ops-built
 
 .PHONY: setup demo test test-fast lint bench bench-data data cram-1gpu clean plan bench-plan gpu-report device-check
 
-setup: $(STAMP) $(OPS)
+# DeepSpeed 0.3.16's source (PyPI's sdist, 386 kB, checked against PyPI's sha256), which the suite runs to write a
+# checkpoint as GPT-NeoX v1.0 on DeeperSpeed 0.3 wrote the original Pythia's (tests/gpt_neox_v1_standin.py); unpacked
+# into VENV, under a temporary name first.
+DEEPSPEED_03 := $(VENV)/deepspeed-0.3.16
+DEEPSPEED_03_URL := https://files.pythonhosted.org/packages/1e/b2/df8d2c39a8d0b125be9438a400b24d77fa0901973d6d9b3bf4e3a8ea328d/deepspeed-0.3.16.tar.gz
+DEEPSPEED_03_SHA256 := 3fe047a0991daac8413ffe694534da2178665467c4f0b428ffffa9e5ba7e888f
+$(DEEPSPEED_03):
+	mkdir -p $(VENV)
+	$(PYTHON) -c "import hashlib, io, sys, tarfile, urllib.request; data = urllib.request.urlopen(sys.argv[1]).read(); \
+		assert hashlib.sha256(data).hexdigest() == sys.argv[2], 'deepspeed-0.3.16.tar.gz: not the sha256 PyPI gives'; \
+		tarfile.open(fileobj=io.BytesIO(data)).extractall(sys.argv[3], **({'filter': 'data'} if hasattr(tarfile, 'data_filter') else {}))" \
+		"$(DEEPSPEED_03_URL)" "$(DEEPSPEED_03_SHA256)" "$@.partial"
+	mv "$@.partial/deepspeed-0.3.16" "$@" && rmdir "$@.partial"
+
+setup: $(STAMP) $(OPS) $(DEEPSPEED_03)
 
 # The package goes in under a constraint pinning the torch already there, so a CUDA build stays. EXTRAS: the optional
 # paths to install (README: Install extras); the suite needs them all. PIP_INSTALL installs through uv with pip's own
@@ -64,7 +78,7 @@ test: export PYTHONDONTWRITEBYTECODE :=
 test: export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch-extensions
 test: export CRAM_TEST_REAL_CXX := $(TEST_REAL_CXX)
 test: export CXX := $(TEST_CXX)
-test: $(STAMP) $(TEST_CXX)
+test: $(STAMP) $(TEST_CXX) $(DEEPSPEED_03)
 	{ { test $(TEST_OPS) -nt $(STAMP) && grep -qxF "$$CXX" $(TEST_OPS); } || \
 	  { nice -n 19 $(BIN)/python -m cram.train.deepspeed_ops && echo "$$CXX" > $(TEST_OPS); }; } & \
 	built=$$!; $(PYTEST); tested=$$?; wait $$built && exit $$tested

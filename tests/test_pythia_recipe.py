@@ -987,7 +987,7 @@ def test_gpt_neox_s_fp16_loss_scale_is_read_and_given_to_the_run_s_scaler(tmp_pa
 
 
 @pytest.mark.parametrize("case, message", [
-    ("DeeperSpeed 0.3's stage 1", "was written by an older DeepSpeed's ZeRO-1 (DeeperSpeed 0.3's stage-1 optimizer"),
+    ("neither layout", "optimizer files hold neither DeepSpeed's ZeRO-1 layout nor DeeperSpeed 0.3's stage-1 one"),
     ("a rank's file missing", "holds 1 of the 2 ranks' optimizer files: give a checkpoint every rank finished saving"),
     ("another size", "is pythia-14m, not pythia-31m: continue it with --size pythia-14m"),
     ("another batch", "was trained at another batch or schedule than this run's (global_batch_size 4 there, 8 here)"),
@@ -998,9 +998,8 @@ def test_a_gpt_neox_checkpoint_the_run_cannot_go_on_from_is_refused_in_one_sente
     prefix, tokenizer = megatron_data
     folder = Path(shutil.copytree(gpt_neox_checkpoint, tmp_path / "global_step4"))
     extra = []
-    if case == "DeeperSpeed 0.3's stage 1":  # stage1.py's state dict: sub-partitions, not one partition per group
-        rewrite_optimizer_files(folder, lambda state: state.update(
-            local_sub_partitions_of_fp32_groups=state.pop("single_partition_of_fp32_groups")))
+    if case == "neither layout":
+        rewrite_optimizer_files(folder, lambda state: state.pop("single_partition_of_fp32_groups"))
     elif case == "a rank's file missing":
         (folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
     else:
@@ -1010,6 +1009,105 @@ def test_a_gpt_neox_checkpoint_the_run_cannot_go_on_from_is_refused_in_one_sente
     assert message in text and text.count(". ") == 0, text
     assert not (tmp_path / "run" / "final").exists()
     assert not any((tmp_path / "run" / "checkpoints").glob("step-*")) if (tmp_path / "run").exists() else True
+
+
+# GPT-NeoX v1.0's own training state (the original suite's neox-ckpt-pythia-*-v1): the same step-4 state written on 2
+# ranks by DeepSpeed 0.3.16's own stage-1 optimizer, FusedAdam, PipelineModule and engine (tests/gpt_neox_v1_standin.py,
+# run from PyPI's source that `make setup` unpacks into the virtual environment), its ZeRO reduce bucket small enough
+# (stage1.py makes it 151,492 numbers) that each rank keeps 10 sub-partitions of the decayed group, the last one cut
+# short, as pythia-12b's groups are cut by Pythia's 500,000,000.
+DEEPSPEED_03 = Path(sys.prefix) / "deepspeed-0.3.16"
+V1_REDUCE_BUCKET = 100_000
+
+
+@pytest.fixture(scope="module")
+def gpt_neox_v1_checkpoint(tmp_path_factory, recipe_env, uninterrupted_eight_steps) -> Path:
+    if not (DEEPSPEED_03 / "deepspeed" / "runtime" / "zero" / "stage1.py").is_file():
+        pytest.fail(f"{DEEPSPEED_03} is missing: `make setup` downloads DeepSpeed 0.3.16's source, which writes "
+                    "GPT-NeoX v1.0's checkpoint for these tests")
+    output = tmp_path_factory.mktemp("gpt-neox-v1") / "checkpoints"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [torchrun, "--standalone", "--nproc_per_node", "2", REPO / "tests" / "gpt_neox_v1_standin.py",
+               DEEPSPEED_03, uninterrupted_eight_steps / "checkpoints" / "step-00000004",
+               uninterrupted_eight_steps / "revisions" / "step4", output, "4", "4", "32", "143000",
+               str(V1_REDUCE_BUCKET)]
+    completed = run(command, cwd=REPO, env={**recipe_env, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"})
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return output / "global_step4"
+
+
+def test_gpt_neox_v1_s_stage1_files_hold_the_same_state_as_deepspeed_s_zero1_files(
+    gpt_neox_checkpoint, gpt_neox_v1_checkpoint
+):
+    """Read from DeeperSpeed 0.3's sub-partitions and from today's ZeRO-1 partitions: the same weights and moments bit
+    for bit; the v1 files keep no Adam step (FusedAdam counts it in its param groups), so the iteration stands in."""
+    from cram.train.gpt_neox_checkpoint import optimizer_ranks, read_gpt_neox_checkpoint
+
+    saved = torch.load(gpt_neox_v1_checkpoint / "zero_pp_rank_1_mp_rank_00_optim_states.pt", weights_only=False)
+    layout = saved["optimizer_state_dict"]
+    assert layout["partition_count"] == 2 and layout["num_comm_intervals_per_group"] == [10, 1]
+    assert "step" not in layout["base_optimizer_state"][0][0] and "param_shapes" in saved
+    assert optimizer_ranks(gpt_neox_v1_checkpoint) == 2
+    v1, current = read_gpt_neox_checkpoint(gpt_neox_v1_checkpoint, 6), read_gpt_neox_checkpoint(gpt_neox_checkpoint, 6)
+    assert sorted(v1.master) == sorted(current.master) and len(v1.master) == 76
+    for name in current.master:
+        assert torch.equal(v1.master[name], current.master[name]), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(v1.moments[key][name], current.moments[key][name]), (key, name)
+    assert (v1.iteration, v1.adam_step, v1.adam_step_saved, current.adam_step_saved) == (4, 4, False, True)
+    assert v1.loss_scale == {"cur_scale": 1.0, "dynamic": False} and v1.data_parallel == 2
+
+
+def test_gpt_neox_v1_s_own_training_state_continues_with_the_uninterrupted_run_s_losses(
+    recipe_module, monkeypatch, capsys, tmp_path, megatron_data, uninterrupted_eight_steps, gpt_neox_v1_checkpoint
+):
+    prefix, tokenizer = megatron_data
+    capsys.readouterr()
+    output_dir = tmp_path / "continued"
+    run_in_process(recipe_module, monkeypatch, [*CONTINUED, "--data", prefix, "--tokenizer", tokenizer, "--seed", "7",
+                                                "--output-dir", output_dir, "--continue-from", gpt_neox_v1_checkpoint])
+    assert ("GPT-NeoX's: its fp32 master weights, Adam's moments and step count (4, its iteration: the files keep "
+            "none) from the 2 ranks' ZeRO-1 files") in capsys.readouterr().out
+    assert_continued_exactly(output_dir, uninterrupted_eight_steps, CONVERTED_FP32_LOSS)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("a rank's file missing", "holds 1 of the 2 ranks' optimizer files: give a checkpoint every rank finished saving"),
+    ("a sub-partition missing", "optimizer files do not hold 2 ranks' 10 sub-partitions of group 0 with Adam's "
+                                "moments: give a GPT-NeoX checkpoint whose files are whole"),
+    ("a sub-partition cut", "optimizer files hold 1441791 numbers in group 0 where its parameters have 1441792"),
+    ("rigid layout", "was saved by DeeperSpeed 0.3's stage-1 optimizer with elastic_checkpoint off"),
+])
+def test_a_damaged_gpt_neox_v1_checkpoint_is_refused_in_one_sentence(
+    recipe_module, monkeypatch, tmp_path, megatron_data, gpt_neox_v1_checkpoint, case, message
+):
+    prefix, tokenizer = megatron_data
+    folder = Path(shutil.copytree(gpt_neox_v1_checkpoint, tmp_path / "global_step4"))
+
+    def damage(state: dict) -> None:
+        if case == "a sub-partition missing":
+            state["local_sub_partitions_of_fp32_groups"][0].pop()
+        elif case == "a sub-partition cut":
+            fp32 = state["local_sub_partitions_of_fp32_groups"][0]
+            fp32[-1] = fp32[-1][1:]
+            for entry in state["base_optimizer_state"][0][-1:]:
+                entry.update({key: value[1:] for key, value in entry.items()})
+        elif case == "rigid layout":
+            state.pop("partition_count")
+
+    if case == "a rank's file missing":
+        (folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    elif case == "rigid layout":  # `_rigid_state_dict`: no partition count in any rank's file
+        rewrite_optimizer_files(folder, damage)
+    else:
+        path = folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+        saved = torch.load(path, weights_only=False)
+        damage(saved["optimizer_state_dict"])
+        torch.save(saved, path)
+    text = refusal(recipe_module, monkeypatch, [*CONTINUED, "--data", prefix, "--tokenizer", tokenizer,
+                                                "--output-dir", tmp_path / "run", "--continue-from", folder])
+    assert message in text and text.count(". ") == 0, text
+    assert not (tmp_path / "run" / "final").exists()
 
 
 def test_a_released_model_is_continued_from_its_published_gpt_neox_state_where_one_exists(

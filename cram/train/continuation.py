@@ -494,8 +494,9 @@ def gpt_neox_record(source: RevisionSource, state: GPTNeoXState) -> dict:
     scale = state.loss_scale or {}
     return {
         "revision": source.name, "step": state.iteration, "weights_dtype": "float32",
-        "optimizer": (f"GPT-NeoX's: its fp32 master weights, Adam's moments and step count ({state.adam_step}) from "
-                      f"the {state.data_parallel} ranks' ZeRO-1 files" if state.moments else
+        "optimizer": (f"GPT-NeoX's: its fp32 master weights, Adam's moments and step count ({state.adam_step}"
+                      f"{'' if state.adam_step_saved else ', its iteration: the files keep none'}) from the "
+                      f"{state.data_parallel} ranks' ZeRO-1 files" if state.moments else
                       "zero moments: the GPT-NeoX checkpoint keeps no optimizer files"),
         "schedule_steps": state.schedule_steps,
         "loss_scale": scale.get("cur_scale") if scale.get("dynamic") else None,

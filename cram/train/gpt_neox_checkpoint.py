@@ -21,6 +21,18 @@ copied as it is: GPT-NeoX splits its output per head as [heads, 3 × head size] 
 `ParallelSelfAttention.forward`: "[sq, b, (np * 3 * hn)] --> [sq, b, np, 3 * hn]"), as transformers' GPTNeoX does,
 and convert_neox_to_hf.py copies it unchanged.
 
+GPT-NeoX v1.0, which trained the original suite (`neox-ckpt-pythia-SIZE[-deduped]-v1`), ran DeeperSpeed 0.3 (commit
+eb7f5cff), whose ZeRO-1 is another optimizer (deepspeed/runtime/zero/stage1.py, FP16_DeepSpeedZeroOptimizer_Stage1)
+saving another layout: each group, flattened and padded, is cut into sub-partitions of one size, handed to the ranks in
+turn (sub-partition i to rank i mod the rank count, communication interval i // the rank count), and each rank's file
+keeps its sub-partitions of each group per interval with their padding cut off (`local_sub_partitions_of_fp32_groups`)
+and Adam's state of each (`base_optimizer_state`, a list per group and interval), `partition_count` and
+`num_comm_intervals_per_group`. Its engine keeps no `param_shapes` in the model states; the ZeRO file holds them, as
+the module's named parameters in their order (engine.py `_save_zero_checkpoint`), and each group's parameters are
+those GPT-NeoX gave it, in that order (megatron/model/utils.py `get_params_for_weight_decay_optimization`: LayerNorms'
+parameters and biases undecayed, the rest decayed; one group where weight decay is 0). Adam's step count is not kept:
+FusedAdam, GPT-NeoX's Adam, counts it in its param groups, which that state dict leaves out.
+
 These files are pickles (GPT-NeoX's client state, DeepSpeed's loss scaler): read only checkpoints you trust.
 """
 
@@ -36,7 +48,11 @@ from cram.errors import UserError
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 _LAYER_FILE = re.compile(r"^layer_(\d+)-model_00-model_states\.pt$")
-_OPTIMIZER_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+# DeepSpeed's name since 0.3 (engine.py `_get_rank_zero_ckpt_name`), and the older one without the last underscore
+# that its loader still accepts.
+_OPTIMIZER_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_?optim_states\.pt$")
+# Modules whose parameters GPT-NeoX leaves undecayed whatever their name: its LayerNorms.
+_NORMS = ("input_layernorm", "post_attention_layernorm", "norm")
 # Within a transformer layer: GPT-NeoX's name → transformers'. The rest keep their names.
 _LAYER_RENAMES = {"mlp.linear1.": "mlp.dense_h_to_4h.", "mlp.linear2.": "mlp.dense_4h_to_h."}
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -54,6 +70,7 @@ class GPTNeoXState:
     moments: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # "exp_avg"/"exp_avg_sq" → name → tensor
     loss_scale: dict | None = None  # the fp16 loss scaler's state (cur_scale, hysteresis counters), None without one
     data_parallel: int = 1  # the ranks that saved it
+    adam_step_saved: bool = True  # False: the files keep no Adam step, and `adam_step` is the iteration
 
 
 def gpt_neox_folder(folder: Path) -> Path | None:
@@ -109,12 +126,14 @@ def read_gpt_neox_checkpoint(folder: Path, layers: int) -> GPTNeoXState:
         master = {name: tensor.float() for name, tensor in layer_weights.items()}
         return GPTNeoXState(folder, iteration, schedule_steps, 0, master, {},
                             data_parallel=int(model_states.get("dp_world_size") or 1))
+    files = [_load(path) for path in optimizer_files]
+    states = [_optimizer_state(saved, path) for saved, path in zip(files, optimizer_files, strict=True)]
+    if "local_sub_partitions_of_fp32_groups" in states[0]:
+        return _read_stage1(folder, layers, files, states, iteration, schedule_steps, layer_weights)
     shapes = model_states.get("param_shapes")
-    states = [_load(path)["optimizer_state_dict"] for path in optimizer_files]
     if shapes is None or "single_partition_of_fp32_groups" not in states[0]:
-        raise UserError(f"{folder} was written by an older DeepSpeed's ZeRO-1 (DeeperSpeed 0.3's stage-1 optimizer, "
-                        "as GPT-NeoX v1.0 ran it), whose layout cram does not read: continue the revision with zero "
-                        "moments (--continue-from NAME@stepN of the Hub model).")
+        raise UserError(f"{folder}'s optimizer files hold neither DeepSpeed's ZeRO-1 layout nor DeeperSpeed 0.3's "
+                        "stage-1 one: give a GPT-NeoX checkpoint whose files are whole.")
     partitions = states[0]["partition_count"]
     partitions = max(partitions) if isinstance(partitions, list) else int(partitions)
     if partitions != len(states):
@@ -143,8 +162,96 @@ def read_gpt_neox_checkpoint(folder: Path, layers: int) -> GPTNeoXState:
         raise UserError(f"{folder}'s optimizer files lack the weight {missing[0]} its layer files hold: give a "
                         "checkpoint every rank finished saving.")
     scaler = states[0].get("loss_scaler")
-    return GPTNeoXState(folder, iteration, schedule_steps, _adam_step(states[0], iteration), master, moments,
-                        loss_scale=_loss_scale(scaler, states[0].get("dynamic_loss_scale")), data_parallel=len(states))
+    step = _adam_step(states[0])
+    return GPTNeoXState(folder, iteration, schedule_steps, iteration if step is None else step, master, moments,
+                        loss_scale=_loss_scale(scaler, states[0].get("dynamic_loss_scale")), data_parallel=len(states),
+                        adam_step_saved=step is not None)
+
+
+def _optimizer_state(saved: object, path: Path) -> dict:
+    """The optimizer's state dict in a rank's ZeRO file."""
+    state = saved.get("optimizer_state_dict") if isinstance(saved, dict) else None
+    if not isinstance(state, dict):
+        raise UserError(f"{path} holds no optimizer state: give a GPT-NeoX checkpoint whose files are whole.")
+    return state
+
+
+def _read_stage1(folder: Path, layers: int, files: list[dict], states: list[dict], iteration: int,
+                 schedule_steps: int | None, layer_weights: dict[str, torch.Tensor]) -> GPTNeoXState:
+    """The training state in the files DeeperSpeed 0.3's stage-1 optimizer wrote (see the module's docstring)."""
+    if "partition_count" not in states[0]:
+        raise UserError(f"{folder} was saved by DeeperSpeed 0.3's stage-1 optimizer with elastic_checkpoint off, "
+                        "whose per-rank layout cram does not read: continue the revision with zero moments "
+                        "(--continue-from NAME@stepN of the Hub model).")
+    partitions = int(states[0]["partition_count"])
+    if partitions != len(states):
+        raise UserError(f"{folder} holds {len(states)} of the {partitions} ranks' optimizer files: give a checkpoint "
+                        "every rank finished saving.")
+    shapes = files[0].get("param_shapes") or _layer_shapes(folder)
+    groups = _weight_decay_groups(list(shapes), len(states[0]["local_sub_partitions_of_fp32_groups"]))
+    master: dict[str, torch.Tensor] = {}
+    moments: dict[str, dict[str, torch.Tensor]] = {key: {} for key in MOMENTS}
+    for group, names in enumerate(groups):
+        intervals = states[0].get("num_comm_intervals_per_group", ["?"] * len(groups))[group]
+        try:
+            # DeeperSpeed eb7f5cff deepspeed/runtime/zero/stage1.py, FP16_DeepSpeedZeroOptimizer_Stage1
+            # `_retrieve_group_sub_partition_weights` and `_retrieve_group_optimizer_states`: sub-partition
+            # interval × ranks + rank, laid end to end, is the group flattened; `_elastic_state_dict` saved each
+            # without its padding (`_get_groups_without_padding`, `_get_base_optimizer_state`), so nothing is cut.
+            order = [(rank, interval) for interval in range(int(intervals)) for rank in range(partitions)]
+            flat = {"fp32": torch.cat([states[rank]["local_sub_partitions_of_fp32_groups"][group][interval]
+                                       for rank, interval in order])}
+            for key in MOMENTS:
+                flat[key] = torch.cat([states[rank]["base_optimizer_state"][group][interval][key]
+                                       for rank, interval in order])
+        except (IndexError, KeyError, TypeError, ValueError, RuntimeError):
+            raise UserError(f"{folder}'s optimizer files do not hold {partitions} ranks' {intervals} sub-partitions "
+                            f"of group {group} with Adam's moments: give a GPT-NeoX checkpoint whose files are "
+                            "whole.") from None
+        sizes = [torch.Size(shapes[name]).numel() for name in names]
+        if any(tensor.numel() != sum(sizes) for tensor in flat.values()):
+            raise UserError(f"{folder}'s optimizer files hold {flat['fp32'].numel()} numbers in group {group} where "
+                            f"its parameters have {sum(sizes)}: give a GPT-NeoX checkpoint whose files are whole.")
+        offset = 0
+        for pipeline_name, size in zip(names, sizes, strict=True):
+            name = transformers_name(pipeline_name, layers)
+            if name is None:
+                raise UserError(f"{folder} holds the parameter {pipeline_name}, which is no {layers}-layer Pythia's: "
+                                "give a checkpoint of the --size you train.")
+            master[name] = flat["fp32"][offset:offset + size].view(shapes[pipeline_name]).clone()
+            for key in MOMENTS:
+                moments[key][name] = flat[key][offset:offset + size].view(shapes[pipeline_name]).clone()
+            offset += size
+    missing = sorted(set(layer_weights) - set(master))
+    if missing:
+        raise UserError(f"{folder}'s optimizer files lack the weight {missing[0]} its layer files hold: give a "
+                        "checkpoint every rank finished saving.")
+    step = _adam_step(states[0])
+    return GPTNeoXState(folder, iteration, schedule_steps, iteration if step is None else step, master, moments,
+                        loss_scale=_loss_scale(states[0].get("loss_scaler"), states[0].get("dynamic_loss_scale")),
+                        data_parallel=len(states), adam_step_saved=step is not None)
+
+
+def _layer_shapes(folder: Path) -> dict[str, torch.Size]:
+    """The pipeline's parameters in the module's order ("{layer}.{name}" → shape), from its layer files: each holds
+    its layer's state dict, whose order is its parameters' (buffers left out)."""
+    shapes: dict[str, torch.Size] = {}
+    for path in sorted((path for path in folder.iterdir() if _LAYER_FILE.match(path.name)),
+                       key=lambda path: int(_LAYER_FILE.match(path.name).group(1))):
+        for name, tensor in _load(path).items():
+            if not (name.endswith("inv_freq") or name.endswith("masked_bias") or name.endswith("attention.bias")):
+                shapes[f"{int(_LAYER_FILE.match(path.name).group(1))}.{name}"] = tensor.shape
+    return shapes
+
+
+def _weight_decay_groups(names: list[str], groups: int) -> list[list[str]]:
+    """The pipeline's parameters (in the module's order) in GPT-NeoX's optimizer groups, in each group's order:
+    GPT-NeoX v1.0 megatron/model/utils.py `get_params_for_weight_decay_optimization`, which walks `module.modules()`
+    (the named parameters' order) and returns [decayed, undecayed], or [all] where weight decay is 0."""
+    if groups == 1:
+        return [names]
+    undecayed = [name for name in names if name.endswith(".bias") or name.split(".")[-2] in _NORMS]
+    return [[name for name in names if name not in undecayed], undecayed]
 
 
 def read_layer_files(folder: Path, layers: int) -> dict[str, torch.Tensor]:
@@ -175,19 +282,20 @@ def _group_state(state: dict, group: int) -> dict:
     return base[group] if isinstance(base, list) else base["state"][group]
 
 
-def _adam_step(state: dict, iteration: int) -> int:
+def _adam_step(state: dict) -> int | None:
     """Adam's step count: in torch's state (torch's Adam), in the param groups (apex's and DeepSpeed's FusedAdam,
-    GPT-NeoX's choice on GPUs) or beside the elastic state; the iteration where none is saved."""
+    GPT-NeoX's choice on GPUs) or beside the elastic state; None where none is saved."""
     base = state["base_optimizer_state"]
     candidates = []
     if isinstance(base, dict):
         candidates += [entry.get("step") for entry in base.get("state", {}).values()]
         candidates += [group.get("step") for group in base.get("param_groups", [])]
-    else:
-        candidates += [entry.get("step") for entry in base]
+    else:  # a list per group: of entries (elastic stage_1_and_2), or of entries per interval (stage1.py)
+        candidates += [entry.get("step") for group in base
+                       for entry in (group if isinstance(group, list) else [group])]
     candidates.append(state.get("base_optimizer_state_step"))
-    step = next((value for value in candidates if value is not None), iteration)
-    return int(step.item() if torch.is_tensor(step) else step)
+    step = next((value for value in candidates if value is not None), None)
+    return None if step is None else int(step.item() if torch.is_tensor(step) else step)
 
 
 def _loss_scale(scaler: object, dynamic: bool | None) -> dict | None:
