@@ -9,19 +9,21 @@ OPS    := $(VENV)/.ops-built
 
 .PHONY: setup demo test test-fast lint bench bench-data data cram-1gpu clean plan bench-plan gpu-report device-check
 
-# DeepSpeed 0.3.16's source (PyPI's sdist, 386 kB, checked against PyPI's sha256), which the suite runs to write a
-# checkpoint as GPT-NeoX v1.0 on DeeperSpeed 0.3 wrote the original Pythia's (tests/gpt_neox_v1_standin.py); unpacked
-# into VENV, under a temporary name first.
+# DeepSpeed 0.3.16's source (PyPI's sdist, 386 kB), which the suite runs to write a checkpoint as GPT-NeoX v1.0 on
+# DeeperSpeed 0.3 wrote the original Pythia's (tests/gpt_neox_v1_standin.py). pip fetches it with its own settings
+# (indexes, proxy, certificates) and without build isolation, as its setup.py imports torch to say what it is; checked
+# against PyPI's sha256, unpacked into VENV under a temporary name first. Order-only on the environment: the unpacked
+# folder keeps the sdist's old dates, and it needs no new download when the environment changes.
 DEEPSPEED_03 := $(VENV)/deepspeed-0.3.16
-DEEPSPEED_03_URL := https://files.pythonhosted.org/packages/1e/b2/df8d2c39a8d0b125be9438a400b24d77fa0901973d6d9b3bf4e3a8ea328d/deepspeed-0.3.16.tar.gz
 DEEPSPEED_03_SHA256 := 3fe047a0991daac8413ffe694534da2178665467c4f0b428ffffa9e5ba7e888f
-$(DEEPSPEED_03):
-	mkdir -p $(VENV)
-	$(PYTHON) -c "import hashlib, io, sys, tarfile, urllib.request; data = urllib.request.urlopen(sys.argv[1]).read(); \
-		assert hashlib.sha256(data).hexdigest() == sys.argv[2], 'deepspeed-0.3.16.tar.gz: not the sha256 PyPI gives'; \
-		tarfile.open(fileobj=io.BytesIO(data)).extractall(sys.argv[3], **({'filter': 'data'} if hasattr(tarfile, 'data_filter') else {}))" \
-		"$(DEEPSPEED_03_URL)" "$(DEEPSPEED_03_SHA256)" "$@.partial"
-	mv "$@.partial/deepspeed-0.3.16" "$@" && rmdir "$@.partial"
+$(DEEPSPEED_03): | $(STAMP)
+	rm -rf "$@.partial"
+	$(BIN)/python -m pip download -q --no-deps --no-build-isolation --no-binary :all: -d "$@.partial" deepspeed==0.3.16
+	$(BIN)/python -c "import hashlib, sys, tarfile; path = sys.argv[1] + '/deepspeed-0.3.16.tar.gz'; \
+		assert hashlib.sha256(open(path, 'rb').read()).hexdigest() == sys.argv[2], path + ': not the sha256 PyPI gives'; \
+		tarfile.open(path).extractall(sys.argv[1], **({'filter': 'data'} if hasattr(tarfile, 'data_filter') else {}))" \
+		"$@.partial" "$(DEEPSPEED_03_SHA256)"
+	mv "$@.partial/deepspeed-0.3.16" "$@" && rm -rf "$@.partial"
 
 setup: $(STAMP) $(OPS) $(DEEPSPEED_03)
 
