@@ -1,7 +1,8 @@
 """The replication verdict on runs whose truth is known: cram/bench/replication_sensitivity.py's own parts at a small
 scale, every command in this process. Five pythia-14m seeds and a run with GPT-NeoX's default init (a departure the
 recipe has no flag for) trained by recipes/pythia.py; each seed is judged against the other four, and at most one of
-the five fails, and the departure fails against seeds 1 … 4. The benchmark's figures at its own scale are in docs/benchmarks.md."""
+the five fails, and the departure fails against seeds 1 … 4. The benchmark's figures at its own scale are in
+docs/benchmarks.md."""
 
 from __future__ import annotations
 
