@@ -943,8 +943,8 @@ def test_gpt_neox_s_pipeline_names_map_to_transformers_gpt_neox():
     assert transformers_name("8.norm.weight", 6) is None and transformers_name("11.final_linear.weight", 6) is None
 
 
-def rewrite_optimizer_files(folder: Path, change) -> None:
-    for path in folder.glob("zero_pp_rank_*_optim_states.pt"):
+def rewrite_optimizer_files(folder: Path, change, files: str = "zero_pp_rank_*_optim_states.pt") -> None:
+    for path in folder.glob(files):
         saved = torch.load(path, weights_only=False)
         change(saved["optimizer_state_dict"])
         torch.save(saved, path)
@@ -995,7 +995,6 @@ def test_gpt_neox_s_fp16_loss_scale_is_read_and_given_to_the_run_s_scaler(tmp_pa
 def test_a_gpt_neox_checkpoint_the_run_cannot_go_on_from_is_refused_in_one_sentence(
     recipe_module, monkeypatch, tmp_path, megatron_data, gpt_neox_checkpoint, case, message
 ):
-    prefix, tokenizer = megatron_data
     folder = Path(shutil.copytree(gpt_neox_checkpoint, tmp_path / "global_step4"))
     extra = []
     if case == "neither layout":
@@ -1004,6 +1003,12 @@ def test_a_gpt_neox_checkpoint_the_run_cannot_go_on_from_is_refused_in_one_sente
         (folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
     else:
         extra = {"another size": ["--size", "pythia-31m"], "another batch": ["--global-batch-size", "8"]}[case]
+    assert_continuing_refused(recipe_module, monkeypatch, tmp_path, megatron_data, folder, message, *extra)
+
+
+def assert_continuing_refused(recipe_module, monkeypatch, tmp_path, megatron_data, folder, message, *extra) -> None:
+    """--continue-from `folder` ends in one sentence holding `message`, before the run writes a state or a model."""
+    prefix, tokenizer = megatron_data
     text = refusal(recipe_module, monkeypatch, [*CONTINUED, "--data", prefix, "--tokenizer", tokenizer,
                                                 "--output-dir", tmp_path / "run", "--continue-from", folder, *extra])
     assert message in text and text.count(". ") == 0, text
@@ -1013,7 +1018,7 @@ def test_a_gpt_neox_checkpoint_the_run_cannot_go_on_from_is_refused_in_one_sente
 
 # GPT-NeoX v1.0's own training state (the original suite's neox-ckpt-pythia-*-v1): the same step-4 state written on 2
 # ranks by DeepSpeed 0.3.16's own stage-1 optimizer, FusedAdam, PipelineModule and engine (tests/gpt_neox_v1_standin.py,
-# run from PyPI's source that `make setup` unpacks into the virtual environment), its ZeRO reduce bucket small enough
+# run from PyPI's source that `make test` unpacks into the virtual environment), its ZeRO reduce bucket small enough
 # (stage1.py makes it 151,492 numbers) that each rank keeps 10 sub-partitions of the decayed group, the last one cut
 # short, as pythia-12b's groups are cut by Pythia's 500,000,000.
 DEEPSPEED_03 = Path(sys.prefix) / "deepspeed-0.3.16"
@@ -1023,7 +1028,7 @@ V1_REDUCE_BUCKET = 100_000
 @pytest.fixture(scope="module")
 def gpt_neox_v1_checkpoint(tmp_path_factory, recipe_env, uninterrupted_eight_steps) -> Path:
     if not (DEEPSPEED_03 / "deepspeed" / "runtime" / "zero" / "stage1.py").is_file():
-        pytest.fail(f"{DEEPSPEED_03} is missing: `make setup` downloads DeepSpeed 0.3.16's source, which writes "
+        pytest.fail(f"{DEEPSPEED_03} is missing: `make test` downloads DeepSpeed 0.3.16's source, which writes "
                     "GPT-NeoX v1.0's checkpoint for these tests")
     output = tmp_path_factory.mktemp("gpt-neox-v1") / "checkpoints"
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -1081,7 +1086,6 @@ def test_gpt_neox_v1_s_own_training_state_continues_with_the_uninterrupted_run_s
 def test_a_damaged_gpt_neox_v1_checkpoint_is_refused_in_one_sentence(
     recipe_module, monkeypatch, tmp_path, megatron_data, gpt_neox_v1_checkpoint, case, message
 ):
-    prefix, tokenizer = megatron_data
     folder = Path(shutil.copytree(gpt_neox_v1_checkpoint, tmp_path / "global_step4"))
 
     def damage(state: dict) -> None:
@@ -1100,14 +1104,8 @@ def test_a_damaged_gpt_neox_v1_checkpoint_is_refused_in_one_sentence(
     elif case == "rigid layout":  # `_rigid_state_dict`: no partition count in any rank's file
         rewrite_optimizer_files(folder, damage)
     else:
-        path = folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-        saved = torch.load(path, weights_only=False)
-        damage(saved["optimizer_state_dict"])
-        torch.save(saved, path)
-    text = refusal(recipe_module, monkeypatch, [*CONTINUED, "--data", prefix, "--tokenizer", tokenizer,
-                                                "--output-dir", tmp_path / "run", "--continue-from", folder])
-    assert message in text and text.count(". ") == 0, text
-    assert not (tmp_path / "run" / "final").exists()
+        rewrite_optimizer_files(folder, damage, "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    assert_continuing_refused(recipe_module, monkeypatch, tmp_path, megatron_data, folder, message)
 
 
 def test_a_released_model_is_continued_from_its_published_gpt_neox_state_where_one_exists(

@@ -39,6 +39,7 @@ These files are pickles (GPT-NeoX's client state, DeepSpeed's loss scaler): read
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -129,25 +130,14 @@ def read_gpt_neox_checkpoint(folder: Path, layers: int) -> GPTNeoXState:
     files = [_load(path) for path in optimizer_files]
     states = [_optimizer_state(saved, path) for saved, path in zip(files, optimizer_files, strict=True)]
     if "local_sub_partitions_of_fp32_groups" in states[0]:
-        return _read_stage1(folder, layers, files, states, iteration, schedule_steps, layer_weights)
-    shapes = model_states.get("param_shapes")
-    if shapes is None or "single_partition_of_fp32_groups" not in states[0]:
-        raise UserError(f"{folder}'s optimizer files hold neither DeepSpeed's ZeRO-1 layout nor DeeperSpeed 0.3's "
-                        "stage-1 one: give a GPT-NeoX checkpoint whose files are whole.")
-    partitions = states[0]["partition_count"]
-    partitions = max(partitions) if isinstance(partitions, list) else int(partitions)
-    if partitions != len(states):
-        raise UserError(f"{folder} holds {len(states)} of the {partitions} ranks' optimizer files: give a checkpoint "
-                        "every rank finished saving.")
+        groups = _stage1_groups(folder, files, states)
+    else:
+        groups = _zero1_groups(folder, model_states.get("param_shapes"), states)
     master: dict[str, torch.Tensor] = {}
     moments: dict[str, dict[str, torch.Tensor]] = {key: {} for key in MOMENTS}
-    for group, group_shapes in enumerate(shapes):
-        flat = {"fp32": torch.cat([state["single_partition_of_fp32_groups"][group] for state in states])}
-        for key in MOMENTS:
-            flat[key] = torch.cat([_group_state(state, group)[key] for state in states])
-        paddings = states[0].get("param_alignment_paddings")
+    for flat, parameters in groups:
         offset = 0
-        for position, (pipeline_name, shape) in enumerate(group_shapes.items()):
+        for pipeline_name, shape, padding in parameters:
             numel = torch.Size(shape).numel()
             name = transformers_name(pipeline_name, layers)
             if name is None:
@@ -156,16 +146,20 @@ def read_gpt_neox_checkpoint(folder: Path, layers: int) -> GPTNeoXState:
             master[name] = flat["fp32"][offset:offset + numel].view(shape).clone()
             for key in MOMENTS:
                 moments[key][name] = flat[key][offset:offset + numel].view(shape).clone()
-            offset += numel + (paddings[group][position] if paddings and paddings[group] else 0)
+            offset += numel + padding
     missing = sorted(set(layer_weights) - set(master))
     if missing:
         raise UserError(f"{folder}'s optimizer files lack the weight {missing[0]} its layer files hold: give a "
                         "checkpoint every rank finished saving.")
-    scaler = states[0].get("loss_scaler")
     step = _adam_step(states[0])
     return GPTNeoXState(folder, iteration, schedule_steps, iteration if step is None else step, master, moments,
-                        loss_scale=_loss_scale(scaler, states[0].get("dynamic_loss_scale")), data_parallel=len(states),
-                        adam_step_saved=step is not None)
+                        loss_scale=_loss_scale(states[0].get("loss_scaler"), states[0].get("dynamic_loss_scale")),
+                        data_parallel=len(states), adam_step_saved=step is not None)
+
+
+# Each optimizer group as the ranks' files hold it: its flattened fp32 weights and Adam moments ("fp32", "exp_avg",
+# "exp_avg_sq"), and its parameters in their order as (pipeline name, shape, padding after it).
+Groups = Iterator[tuple[dict[str, torch.Tensor], list[tuple[str, torch.Size, int]]]]
 
 
 def _optimizer_state(saved: object, path: Path) -> dict:
@@ -176,21 +170,39 @@ def _optimizer_state(saved: object, path: Path) -> dict:
     return state
 
 
-def _read_stage1(folder: Path, layers: int, files: list[dict], states: list[dict], iteration: int,
-                 schedule_steps: int | None, layer_weights: dict[str, torch.Tensor]) -> GPTNeoXState:
-    """The training state in the files DeeperSpeed 0.3's stage-1 optimizer wrote (see the module's docstring)."""
+def _ranks(folder: Path, states: list[dict], partitions: int) -> None:
+    """Refuses a checkpoint missing some of its `partitions` ranks' files."""
+    if partitions != len(states):
+        raise UserError(f"{folder} holds {len(states)} of the {partitions} ranks' optimizer files: give a checkpoint "
+                        "every rank finished saving.")
+
+
+def _zero1_groups(folder: Path, shapes: list[dict] | None, states: list[dict]) -> Groups:
+    """The groups DeepSpeed's `stage_1_and_2` optimizer saved: each rank's one partition of each, in rank order."""
+    if shapes is None or "single_partition_of_fp32_groups" not in states[0]:
+        raise UserError(f"{folder}'s optimizer files hold neither DeepSpeed's ZeRO-1 layout nor DeeperSpeed 0.3's "
+                        "stage-1 one: give a GPT-NeoX checkpoint whose files are whole.")
+    partitions = states[0]["partition_count"]
+    _ranks(folder, states, max(partitions) if isinstance(partitions, list) else int(partitions))
+    paddings = states[0].get("param_alignment_paddings")
+    for group, group_shapes in enumerate(shapes):
+        flat = {"fp32": torch.cat([state["single_partition_of_fp32_groups"][group] for state in states])}
+        for key in MOMENTS:
+            flat[key] = torch.cat([_group_state(state, group)[key] for state in states])
+        yield flat, [(name, shape, paddings[group][position] if paddings and paddings[group] else 0)
+                     for position, (name, shape) in enumerate(group_shapes.items())]
+
+
+def _stage1_groups(folder: Path, files: list[dict], states: list[dict]) -> Groups:
+    """The groups DeeperSpeed 0.3's stage-1 optimizer saved (see the module's docstring)."""
     if "partition_count" not in states[0]:
         raise UserError(f"{folder} was saved by DeeperSpeed 0.3's stage-1 optimizer with elastic_checkpoint off, "
                         "whose per-rank layout cram does not read: continue the revision with zero moments "
                         "(--continue-from NAME@stepN of the Hub model).")
     partitions = int(states[0]["partition_count"])
-    if partitions != len(states):
-        raise UserError(f"{folder} holds {len(states)} of the {partitions} ranks' optimizer files: give a checkpoint "
-                        "every rank finished saving.")
+    _ranks(folder, states, partitions)
     shapes = files[0].get("param_shapes") or _layer_shapes(folder)
     groups = _weight_decay_groups(list(shapes), len(states[0]["local_sub_partitions_of_fp32_groups"]))
-    master: dict[str, torch.Tensor] = {}
-    moments: dict[str, dict[str, torch.Tensor]] = {key: {} for key in MOMENTS}
     for group, names in enumerate(groups):
         intervals = states[0].get("num_comm_intervals_per_group", ["?"] * len(groups))[group]
         try:
@@ -212,24 +224,7 @@ def _read_stage1(folder: Path, layers: int, files: list[dict], states: list[dict
         if any(tensor.numel() != sum(sizes) for tensor in flat.values()):
             raise UserError(f"{folder}'s optimizer files hold {flat['fp32'].numel()} numbers in group {group} where "
                             f"its parameters have {sum(sizes)}: give a GPT-NeoX checkpoint whose files are whole.")
-        offset = 0
-        for pipeline_name, size in zip(names, sizes, strict=True):
-            name = transformers_name(pipeline_name, layers)
-            if name is None:
-                raise UserError(f"{folder} holds the parameter {pipeline_name}, which is no {layers}-layer Pythia's: "
-                                "give a checkpoint of the --size you train.")
-            master[name] = flat["fp32"][offset:offset + size].view(shapes[pipeline_name]).clone()
-            for key in MOMENTS:
-                moments[key][name] = flat[key][offset:offset + size].view(shapes[pipeline_name]).clone()
-            offset += size
-    missing = sorted(set(layer_weights) - set(master))
-    if missing:
-        raise UserError(f"{folder}'s optimizer files lack the weight {missing[0]} its layer files hold: give a "
-                        "checkpoint every rank finished saving.")
-    step = _adam_step(states[0])
-    return GPTNeoXState(folder, iteration, schedule_steps, iteration if step is None else step, master, moments,
-                        loss_scale=_loss_scale(states[0].get("loss_scaler"), states[0].get("dynamic_loss_scale")),
-                        data_parallel=len(states), adam_step_saved=step is not None)
+        yield flat, [(name, shapes[name], 0) for name in names]
 
 
 def _layer_shapes(folder: Path) -> dict[str, torch.Size]:
