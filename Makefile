@@ -9,7 +9,7 @@ OPS    := $(VENV)/.ops-built
 
 .PHONY: setup demo test test-fast lint bench bench-data data cram-1gpu clean plan bench-plan gpu-report device-check
 
-# DeepSpeed 0.3.16's source (PyPI's sdist, 386 kB), which the suite runs to write a checkpoint as GPT-NeoX v1.0 on
+# DeepSpeed 0.3.16's source (PyPI's sdist, 386 kB), fetched by `make test` alone, which the suite runs to write a checkpoint as GPT-NeoX v1.0 on
 # DeeperSpeed 0.3 wrote the original Pythia's (tests/gpt_neox_v1_standin.py). pip fetches it with its own settings
 # (indexes, proxy, certificates) and without build isolation, as its setup.py imports torch to say what it is; checked
 # against PyPI's sha256, unpacked into VENV under a temporary name first. Order-only on the environment: the unpacked
@@ -25,7 +25,7 @@ $(DEEPSPEED_03): | $(STAMP)
 		"$@.partial" "$(DEEPSPEED_03_SHA256)"
 	mv "$@.partial/deepspeed-0.3.16" "$@" && rm -rf "$@.partial"
 
-setup: $(STAMP) $(OPS) $(DEEPSPEED_03)
+setup: $(STAMP) $(OPS)
 
 # The package goes in under a constraint pinning the torch already there, so a CUDA build stays. EXTRAS: the optional
 # paths to install (README: Install extras); the suite needs them all. PIP_INSTALL installs through uv with pip's own
@@ -90,7 +90,7 @@ $(TEST_CXX): tests/cxx-no-debug-info
 
 # The inner loop: no test that starts a Python process (the `launch` mark, which tests/launching.py insists on) or
 # is marked `slow` (lm-eval's task registry, in-process compilation).
-test-fast: setup
+test-fast: setup $(DEEPSPEED_03)
 	$(PYTEST) -m "not launch and not slow"
 
 lint: setup

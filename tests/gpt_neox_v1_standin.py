@@ -2,7 +2,7 @@
 `neox-ckpt-pythia-SIZE[-deduped]-v1`), on DeeperSpeed 0.3: ZeRO-1 by `FP16_DeepSpeedZeroOptimizer_Stage1`, whose
 elastic state dict keeps each rank's sub-partitions of each group per communication interval. Everything that shapes
 the files is DeepSpeed 0.3's own code, run from PyPI's source distribution of deepspeed 0.3.16 (SOURCE, unpacked:
-`make setup` puts it in .venv/deepspeed-0.3.16, checked against PyPI's sha256): the stage-1 optimizer, FusedAdam's
+`make test` puts it in .venv/deepspeed-0.3.16, checked against PyPI's sha256): the stage-1 optimizer, FusedAdam's
 state layout, the PipelineModule and its topology (layer files), and the engine's checkpoint methods (file names,
 model states, the ZeRO files), compiled from engine.py's source (the engine itself needs CUDA to start). The state it
 holds is a cram training state's (fp32 weights, Adam's moments), so the same state exists in both formats:
