@@ -121,7 +121,9 @@ class TrainingOptions:
     continue_from: str | None = option(
         None, "go on from a model kept at step N, at step N's schedule and step N + 1's data: a Hub name with its "
               "branch (EleutherAI/pythia-160m@step50000), a folder of revisions with the step (runs/pythia@step4), "
-              "or a stepN folder; Adam's moments start at zero")
+              "a stepN folder, or a GPT-NeoX checkpoint folder (neox-ckpt-…, the original suite's -v1 too); "
+              "GPT-NeoX's optimizer state or a pushed training state is continued where there is one, else Adam's "
+              "moments start at zero")
 
 
 @dataclass
