@@ -9,11 +9,12 @@ OPS    := $(VENV)/.ops-built
 
 .PHONY: setup demo test test-fast lint bench bench-data data cram-1gpu clean plan bench-plan gpu-report device-check
 
-# DeepSpeed 0.3.16's source (PyPI's sdist, 386 kB), fetched by `make test` alone, which the suite runs to write a checkpoint as GPT-NeoX v1.0 on
-# DeeperSpeed 0.3 wrote the original Pythia's (tests/gpt_neox_v1_standin.py). pip fetches it with its own settings
-# (indexes, proxy, certificates) and without build isolation, as its setup.py imports torch to say what it is; checked
-# against PyPI's sha256, unpacked into VENV under a temporary name first. Order-only on the environment: the unpacked
-# folder keeps the sdist's old dates, and it needs no new download when the environment changes.
+# DeepSpeed 0.3.16's source (PyPI's sdist), fetched by `make test` alone, which the suite runs to write a checkpoint
+# as GPT-NeoX v1.0 on DeeperSpeed 0.3 wrote the original Pythia's (tests/gpt_neox_v1_standin.py). pip fetches it with
+# its own settings (indexes, proxy, certificates) and without build isolation, as its setup.py imports torch to say
+# what it is; checked against PyPI's sha256, unpacked into VENV under a temporary name first. Order-only on the
+# environment: the unpacked folder keeps the sdist's old dates, and it needs no new download when the environment
+# changes.
 DEEPSPEED_03 := $(VENV)/deepspeed-0.3.16
 DEEPSPEED_03_SHA256 := 3fe047a0991daac8413ffe694534da2178665467c4f0b428ffffa9e5ba7e888f
 $(DEEPSPEED_03): | $(STAMP)

@@ -1020,7 +1020,8 @@ def assert_continuing_refused(recipe_module, monkeypatch, tmp_path, megatron_dat
 # ranks by DeepSpeed 0.3.16's own stage-1 optimizer, FusedAdam, PipelineModule and engine (tests/gpt_neox_v1_standin.py,
 # run from PyPI's source that `make test` unpacks into the virtual environment), its ZeRO reduce bucket small enough
 # (stage1.py makes it 151,492 numbers) that each rank keeps 10 sub-partitions of the decayed group, the last one cut
-# short, as pythia-12b's groups are cut by Pythia's 500,000,000.
+# short, as pythia-12b's groups are cut by Pythia's (EleutherAI/pythia models/*/pythia-*.yml,
+# zero_optimization.reduce_bucket_size: 500000000).
 DEEPSPEED_03 = Path(sys.prefix) / "deepspeed-0.3.16"
 V1_REDUCE_BUCKET = 100_000
 

@@ -51,8 +51,8 @@ def test_faithful_seeds_pass_against_each_other_and_gpt_neox_default_init_fails(
         return check_outcome(run_command(command, log), output, log)
 
     # Each seed against the other four, as the bench's leave-one-out table: one draw of a faithful seed fails with
-    # probability up to alpha, and more where the seeds' losses are not Gaussian (at the init they are skewed: with
-    # today's data, seed 5 sits 3.4 spreads above eleven others), so one faithful seed may fail here, not two.
+    # probability up to alpha, and more where the seeds' losses are not Gaussian, as at the init, where they are
+    # skewed (docs/benchmarks.md, Replication verdict: sensitivity); so one faithful seed may fail here, not two.
     seeds = range(1, SEEDS + 1)
     leave_one_out = {f"seed{seed}": check(f"seed{seed}", [other for other in seeds if other != seed])
                      for seed in seeds}
